@@ -1,0 +1,138 @@
+"""Decoder-only transformer LM in Flax NNX: RMSNorm, rotary positions, causal attention, gated MLP.
+
+Parameters carry logical axis names ("vocab", "embed", "heads", "kv", "mlp") as metadata; how those
+map to mesh axes is decided in resilient_jax.mesh, never here. Dropout takes an explicit key, so a
+forward pass is a pure function of (params, tokens, key).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from resilient_jax.config import ModelConfig
+
+# Variables keep their logical names as metadata instead of being sharded at creation: the state
+# is born sharded by `jit(init, out_shardings=...)` in resilient_jax.state.
+nnx.use_eager_sharding(False)
+
+_init_dense = nnx.initializers.normal(stddev=0.02)
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...], init=_init_dense) -> nnx.Param:
+    return nnx.Param(init(rngs.params(), shape, jnp.float32), out_sharding=axes)
+
+
+def _dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
+    if key is None or rate == 0.0:
+        return x
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x * (1.0 / (1.0 - rate)), 0.0).astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, *, rngs: nnx.Rngs, eps: float = 1e-6):
+        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), out_sharding=("embed",))
+        self.eps = eps
+
+    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+        x32 = x_BxLxD.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed * self.scale[...]).astype(x_BxLxD.dtype)
+
+
+def rotary(x_BxLxHxK: jax.Array, base: float) -> jax.Array:
+    """Rotary position embedding over the last dim (split-halves convention)."""
+    seq_len, head_dim = x_BxLxHxK.shape[1], x_BxLxHxK.shape[-1]
+    half = head_dim // 2
+    freqs = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles_LxK = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * freqs[None, :]
+    sin = jnp.sin(angles_LxK)[None, :, None, :]
+    cos = jnp.cos(angles_LxK)[None, :, None, :]
+    x1, x2 = x_BxLxHxK[..., :half].astype(jnp.float32), x_BxLxHxK[..., half:].astype(jnp.float32)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BxLxHxK.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        head_dim = cfg.d_model // cfg.n_heads
+        self.wq = _param(rngs, (cfg.d_model, cfg.n_heads, head_dim), ("embed", "heads", "kv"))
+        self.wk = _param(rngs, (cfg.d_model, cfg.n_heads, head_dim), ("embed", "heads", "kv"))
+        self.wv = _param(rngs, (cfg.d_model, cfg.n_heads, head_dim), ("embed", "heads", "kv"))
+        self.wo = _param(rngs, (cfg.n_heads, head_dim, cfg.d_model), ("heads", "kv", "embed"))
+        self.rope_base = cfg.rope_base
+        self.dropout = cfg.dropout
+
+    def __call__(self, x_BxLxD: jax.Array, key: jax.Array | None) -> jax.Array:
+        dtype = x_BxLxD.dtype
+        q = rotary(jnp.einsum("bld,dhk->blhk", x_BxLxD, self.wq[...].astype(dtype)), self.rope_base)
+        k = rotary(jnp.einsum("bld,dhk->blhk", x_BxLxD, self.wk[...].astype(dtype)), self.rope_base)
+        v = jnp.einsum("bld,dhk->blhk", x_BxLxD, self.wv[...].astype(dtype))
+        seq_len = x_BxLxD.shape[1]
+        scores_BxHxLxL = jnp.einsum("bqhk,bshk->bhqs", q, k).astype(jnp.float32) * (q.shape[-1] ** -0.5)
+        causal = jnp.tril(jnp.ones((seq_len, seq_len), dtype=bool))
+        scores_BxHxLxL = jnp.where(causal, scores_BxHxLxL, jnp.finfo(jnp.float32).min)
+        # exp(x - logsumexp) rather than jax.nn.softmax's exp / sum: XLA rewrites the backward
+        # division differently in single- and multi-device programs, which changed the bits.
+        lse = jax.nn.logsumexp(scores_BxHxLxL, axis=-1, keepdims=True)
+        probs = jnp.exp(scores_BxHxLxL - lse).astype(dtype)
+        probs = _dropout(probs, self.dropout, key)
+        out_BxLxHxK = jnp.einsum("bhqs,bshk->bqhk", probs, v)
+        return jnp.einsum("blhk,hkd->bld", out_BxLxHxK, self.wo[...].astype(dtype))
+
+
+class GatedMLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.w_gate = _param(rngs, (cfg.d_model, cfg.d_ff), ("embed", "mlp"))
+        self.w_up = _param(rngs, (cfg.d_model, cfg.d_ff), ("embed", "mlp"))
+        self.w_down = _param(rngs, (cfg.d_ff, cfg.d_model), ("mlp", "embed"))
+
+    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+        dtype = x_BxLxD.dtype
+        gate = jax.nn.silu(x_BxLxD @ self.w_gate[...].astype(dtype))
+        return (gate * (x_BxLxD @ self.w_up[...].astype(dtype))) @ self.w_down[...].astype(dtype)
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.d_model, rngs=rngs)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model, rngs=rngs)
+        self.mlp = GatedMLP(cfg, rngs=rngs)
+        self.dropout = cfg.dropout
+
+    def __call__(self, x_BxLxD: jax.Array, key: jax.Array | None) -> jax.Array:
+        attn_key = resid_key = mlp_key = None
+        if key is not None:
+            attn_key, resid_key, mlp_key = (jax.random.fold_in(key, i) for i in range(3))
+        x_BxLxD = x_BxLxD + _dropout(self.attn(self.attn_norm(x_BxLxD), attn_key), self.dropout, resid_key)
+        return x_BxLxD + _dropout(self.mlp(self.mlp_norm(x_BxLxD)), self.dropout, mlp_key)
+
+
+class TransformerLM(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        if cfg.d_model % cfg.n_heads or (cfg.d_model // cfg.n_heads) % 2:
+            raise ValueError(
+                f"model.d_model ({cfg.d_model}) must be divisible by model.n_heads ({cfg.n_heads}) "
+                "into an even head size (rotary positions rotate pairs)"
+            )
+        self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
+        self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+        self.final_norm = RMSNorm(cfg.d_model, rngs=rngs)
+        self.unembed = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
+        self.dtype = jnp.dtype(cfg.dtype)
+
+    def __call__(self, tokens_BxL: jax.Array, *, dropout_key: jax.Array | None = None) -> jax.Array:
+        """Logits [B, L, vocab] in float32. `dropout_key=None` is the deterministic (eval) pass."""
+        x = jnp.take(self.embed[...], tokens_BxL, axis=0).astype(self.dtype)
+        for layer, block in enumerate(self.blocks):
+            layer_key = None if dropout_key is None else jax.random.fold_in(dropout_key, layer)
+            x = block(x, layer_key)
+        x = self.final_norm(x)
+        return (x @ self.unembed[...].astype(self.dtype)).astype(jnp.float32)
+
+
+def count_params(params) -> int:
+    return sum(int(x.size) for x in jax.tree.leaves(params))

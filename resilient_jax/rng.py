@@ -1,0 +1,40 @@
+"""Every random number in a run derives from `train.seed` through fold_in, never from mutable state.
+
+    base            = key(seed)
+    init            = fold_in(base, INIT)
+    dropout(step,v) = fold_in(fold_in(fold_in(base, DROPOUT), step), v)    v = virtual shard
+
+So a step's randomness depends on (seed, step, virtual shard) only -- not on which device or host
+computes that shard, and not on how many there are.
+"""
+
+from __future__ import annotations
+
+import jax
+
+INIT = 0
+DROPOUT = 1
+
+
+def base_key(seed: int) -> jax.Array:
+    return jax.random.key(seed)
+
+
+def init_key(seed: int) -> jax.Array:
+    return jax.random.fold_in(base_key(seed), INIT)
+
+
+def dropout_key(seed: int, step: jax.Array, virtual_shard: jax.Array) -> jax.Array:
+    step_key = jax.random.fold_in(jax.random.fold_in(base_key(seed), DROPOUT), step)
+    return jax.random.fold_in(step_key, virtual_shard)
+
+
+def describe(seed: int) -> dict:
+    """The RNG context a checkpoint records: enough to re-derive every key of the run."""
+    return {
+        "seed": seed,
+        "impl": str(jax.random.key_impl(base_key(seed))),
+        "base_key_data": [int(x) for x in jax.random.key_data(base_key(seed)).ravel()],
+        "purposes": {"init": INIT, "dropout": DROPOUT},
+        "derivation": "dropout(step, v) = fold_in(fold_in(fold_in(key(seed), 1), step), v)",
+    }
