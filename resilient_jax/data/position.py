@@ -1,0 +1,68 @@
+"""DataPosition: where the data stream stands, as a small JSON-able record for checkpoints.
+
+It is identical on every host (nothing in it depends on the host count), so one copy goes into the
+checkpoint's data-offset field and any host count can resume from it. It replaces grain's
+per-process iterator state, which cannot be restored with a different process count.
+
+`step` is the next step the loader will yield; `global_offset` (= step * global_batch, the position
+in the eligible stream) and `epoch` are derived, stored so a reader can check them and so a resume
+with a changed global batch is caught.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from resilient_jax.data.errors import DatasetError
+from resilient_jax.data.order import GlobalOrder, QuarantineEvent, normalize_quarantine
+
+
+@dataclass(frozen=True)
+class DataPosition:
+    step: int
+    global_offset: int
+    epoch: int
+    dataset_version: str
+    quarantine: tuple[QuarantineEvent, ...] = ()
+
+    @classmethod
+    def at(cls, order: GlobalOrder, dataset_version: str, step: int) -> DataPosition:
+        return cls(step, step * order.global_batch, order.epoch_at(step), dataset_version, order.quarantine)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "global_offset": self.global_offset,
+            "epoch": self.epoch,
+            "dataset_version": self.dataset_version,
+            "quarantine": [e.to_dict() for e in self.quarantine],
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> DataPosition:
+        try:
+            return cls(
+                step=int(d["step"]),
+                global_offset=int(d["global_offset"]),
+                epoch=int(d["epoch"]),
+                dataset_version=str(d["dataset_version"]),
+                quarantine=normalize_quarantine(d["quarantine"]),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise DatasetError(f"data position is malformed ({e!r}); expected keys step, global_offset, "
+                               "epoch, dataset_version, quarantine") from None
+
+    def check_against(self, order: GlobalOrder, dataset_version: str) -> None:
+        """Refuses to resume on another dataset or with another global batch."""
+        if self.dataset_version != dataset_version:
+            raise DatasetError(
+                f"data position has dataset_version {self.dataset_version[:12]}..., the dataset is "
+                f"{dataset_version[:12]}...; resume with the dataset the run was started on"
+            )
+        if self.global_offset != self.step * order.global_batch:
+            raise DatasetError(
+                f"data position global_offset {self.global_offset} != step {self.step} x global_batch "
+                f"{order.global_batch}; the global_batch changed since it was saved"
+            )
