@@ -35,6 +35,7 @@ class GradResult:
     loss: jax.Array  # mean loss over every weighted token of the global batch
     shard_loss: jax.Array  # [V] mean loss of each virtual shard
     shard_finite: jax.Array  # [V] bool: loss and every gradient element of the shard are finite
+    row_finite: jax.Array  # [V * b] bool: each sample's loss is finite (names the poisoned rows)
 
 
 @struct.dataclass
@@ -76,7 +77,8 @@ def _shard_loss_fn(model_def: ModelDef):
     def loss_sum(params, tokens_BxL1, weights_BxL, key):
         logits = model_def.forward(params, tokens_BxL1[:, :-1], dropout_key=key)
         ce_BxL = optax.softmax_cross_entropy_with_integer_labels(logits, tokens_BxL1[:, 1:])
-        return jnp.sum(ce_BxL * weights_BxL), jnp.sum(weights_BxL)
+        row_loss_B = jnp.sum(ce_BxL * weights_BxL, axis=1)
+        return jnp.sum(row_loss_B), (jnp.sum(weights_BxL), row_loss_B)
 
     return loss_sum
 
@@ -96,19 +98,22 @@ def make_compute(
         def one_shard(inputs):
             tok, w, v = inputs
             key = rng.dropout_key(seed, step, v) if use_dropout else None
-            (loss_sum, weight_sum), g = grad_fn(params, tok, w, key)
+            (loss_sum, (weight_sum, row_loss)), g = grad_fn(params, tok, w, key)
             finite = jnp.isfinite(loss_sum) & jnp.all(
                 jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(g)])
             )
-            return g, loss_sum, weight_sum, finite
+            return g, loss_sum, weight_sum, finite, jnp.isfinite(row_loss)
 
         # lax.map, not vmap: each shard runs with identical shapes, so its bits do not depend on
         # how many shards this replica holds (vmap batched the matmuls and changed the bits).
-        g_S, loss_S, weight_S, finite_S = lax.map(one_shard, (tokens_SxBxL1, weights_SxBxL, shard_ids))
+        g_S, loss_S, weight_S, finite_S, row_finite_SxB = lax.map(
+            one_shard, (tokens_SxBxL1, weights_SxBxL, shard_ids)
+        )
         grads = reduce.sum_shard_grads(g_S, mode=mode, axis=axis, replicas=plan.replicas, num_shards=V)
         loss_V = reduce.gather_shard_values(loss_S, axis)[:V]
         weight_V = reduce.gather_shard_values(weight_S, axis)[:V]
         finite_V = reduce.gather_shard_values(finite_S, axis)[:V]
+        row_finite = reduce.gather_shard_values(row_finite_SxB, axis)[:V].reshape(-1)
         total_weight = jnp.maximum(reduce.ordered_sum(weight_V, V), 1.0)
         total_loss = reduce.ordered_sum(loss_V, V)
         grads = jax.tree.map(lambda g: g / total_weight, grads)
@@ -117,6 +122,7 @@ def make_compute(
             loss=total_loss / total_weight,
             shard_loss=loss_V / jnp.maximum(weight_V, 1.0),
             shard_finite=finite_V,
+            row_finite=row_finite,
         )
 
     sharded = jax.shard_map(
@@ -135,6 +141,7 @@ def make_compute(
         loss=mesh_lib.replicated(mesh),
         shard_loss=mesh_lib.replicated(mesh),
         shard_finite=mesh_lib.replicated(mesh),
+        row_finite=mesh_lib.replicated(mesh),
     )
     batch = mesh_lib.batch_sharding(mesh)
     return jax.jit(

@@ -1,0 +1,256 @@
+"""The training loop: build everything from a Config, run steps, absorb NaN shards, write the summary.
+
+One step, as the loop runs it:
+    batch  = loader.next()                          this host's rows of global batch k
+    result = compute(params, batch, k)              collectives; the state is not touched
+    if some virtual shard is non-finite:            (fault class 4: a NaN data shard)
+        quarantine the offending data shards from k, re-read step k, recompute
+    state  = apply(state, result.grads, k)          local update; donates the old state
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from resilient_jax import data as data_lib
+from resilient_jax import faults as faults_lib
+from resilient_jax import mesh as mesh_lib
+from resilient_jax import state as state_lib
+from resilient_jax import step as step_lib
+from resilient_jax.config import Config, DataConfig
+from resilient_jax.fingerprinting import params_fingerprint
+from resilient_jax.metrics import MetricsLog
+from resilient_jax.model import count_params
+from resilient_jax.optimizer import build_optimizer, lr_schedule
+
+# A step that is still non-finite after this many quarantines is not a data problem.
+MAX_QUARANTINES_PER_STEP = 4
+
+
+class NonFiniteStepError(RuntimeError):
+    """Gradients stayed non-finite after quarantining the data shards behind them."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("RESILIENT_JAX_CACHE", Path.home() / ".cache" / "resilient_jax"))
+
+
+def resolve_dataset(cfg: DataConfig) -> data_lib.Manifest:
+    """The configured dataset, built on first use; verified against its manifest before training."""
+    if cfg.dataset:
+        path = Path(cfg.dataset)
+    else:
+        path = cache_dir() / "datasets" / f"{cfg.src}-{cfg.tokenizer}-s{cfg.shards}-L{cfg.seq_len}"
+        if cfg.src != "default":
+            raise data_lib.DatasetError("data.dataset is required when data.src is not 'default'")
+    data_lib.ensure_dataset(path, src=cfg.src, shards=cfg.shards, seq_len=cfg.seq_len, tokenizer=cfg.tokenizer)
+    return data_lib.verify_dataset(path)
+
+
+@dataclass
+class QuarantineRecord:
+    step: int
+    shard: int
+    samples: list[int]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"event": "quarantine", "step": self.step, "shard": self.shard, "samples": self.samples}
+
+
+@dataclass
+class RunTotals:
+    first_loss: float | None = None
+    last_loss: float | None = None
+    steady_seconds: float = 0.0  # step time after the first (compiling) step
+    steady_steps: int = 0
+    quarantines: list[QuarantineRecord] = field(default_factory=list)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, *, devices: list[jax.Device] | None = None):
+        self.cfg = cfg
+        self.faults = faults_lib.parse_faults(cfg.faults)
+        self.mesh = mesh_lib.build_mesh(cfg.parallel, devices)
+        self.plan = step_lib.make_shard_plan(
+            cfg.data.global_batch, cfg.parallel.virtual_shards, self.mesh.shape[mesh_lib.DATA_AXIS]
+        )
+        self.manifest = resolve_dataset(cfg.data)
+        if self.manifest.vocab_size > cfg.model.vocab_size:
+            raise ValueError(
+                f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the dataset's vocabulary "
+                f"({self.manifest.vocab_size}); raise model.vocab_size"
+            )
+        self.model_def = state_lib.make_model_def(cfg.model)
+        self.tx = build_optimizer(cfg.optimizer, cfg.train.steps)
+        self.schedule = lr_schedule(cfg.optimizer, cfg.train.steps)
+        self.shardings = state_lib.state_shardings(self.model_def, self.tx, self.mesh)
+        self.compute = step_lib.make_compute(
+            self.model_def, self.mesh, self.plan,
+            seed=cfg.train.seed, mode=cfg.parallel.reduction, use_dropout=cfg.model.dropout > 0,
+        )
+        self.apply = step_lib.make_apply(self.tx, self.schedule, self.shardings, self.mesh)
+        self.run_dir = Path(cfg.run.dir)
+        self.is_writer = jax.process_index() == 0
+
+    # -- batch placement ------------------------------------------------------------------------
+
+    def local_rows(self) -> tuple[int, int]:
+        """[lo, hi) of the padded global batch held by this process's replicas (contiguous)."""
+        replicas = sorted(
+            {idx[0] for idx, d in np.ndenumerate(self.mesh.devices) if d.process_index == jax.process_index()}
+        )
+        rows_per_replica = self.plan.shards_per_replica * self.plan.rows_per_shard
+        return replicas[0] * rows_per_replica, (replicas[-1] + 1) * rows_per_replica
+
+    def _place(self, batch: data_lib.Batch, padded_rows: tuple[int, int]) -> tuple[jax.Array, jax.Array]:
+        """Host rows -> global arrays; rows of padding shards get zero tokens and zero weight."""
+        lo, hi = padded_rows
+        tokens = np.zeros((hi - lo, batch.tokens.shape[1]), np.int32)
+        weights = np.zeros((hi - lo, batch.weights.shape[1]), np.float32)
+        real = min(hi, self.cfg.data.global_batch) - lo
+        if real > 0:
+            tokens[:real], weights[:real] = batch.tokens, batch.weights
+        sharding = mesh_lib.batch_sharding(self.mesh)
+        total = self.plan.padded_rows
+        return (
+            jax.make_array_from_process_local_data(sharding, tokens, (total, tokens.shape[1])),
+            jax.make_array_from_process_local_data(sharding, weights, (total, weights.shape[1])),
+        )
+
+    def open_loader(self, start_step: int, quarantine=()) -> data_lib.HostBatchLoader:
+        lo, hi = self.local_rows()
+        real_rows = (min(lo, self.cfg.data.global_batch), min(hi, self.cfg.data.global_batch))
+        return data_lib.HostBatchLoader(
+            self.manifest,
+            seed=self.cfg.train.seed,
+            global_batch=self.cfg.data.global_batch,
+            rows=real_rows if real_rows[1] > real_rows[0] else None,
+            start_step=start_step,
+            quarantine=quarantine,
+            prefetch=self.cfg.data.prefetch,
+            poison=faults_lib.nan_shard_poison(self.faults),
+        )
+
+    # -- one step ---------------------------------------------------------------------------------
+
+    def compute_finite(self, params, loader: data_lib.HostBatchLoader, step: int, totals: RunTotals,
+                       log: MetricsLog) -> step_lib.GradResult:
+        """Compute step `step`'s gradients, quarantining data shards until every virtual shard is finite."""
+        for _ in range(MAX_QUARANTINES_PER_STEP + 1):
+            batch = next(loader)
+            assert batch.step == step, (batch.step, step)
+            tokens, weights = self._place(batch, self.local_rows())
+            result = self.compute(params, tokens, weights, np.int32(step))
+            shard_finite = np.asarray(result.shard_finite)
+            if shard_finite.all():
+                return result
+            for record in self._quarantine(loader, step, shard_finite, np.asarray(result.row_finite)):
+                totals.quarantines.append(record)
+                log.event(record.to_dict())
+        raise NonFiniteStepError(
+            f"step {step}: gradients are still non-finite after quarantining {MAX_QUARANTINES_PER_STEP} data "
+            "shards; the model itself diverged (lower optimizer.lr or check the data)"
+        )
+
+    def _quarantine(self, loader, step: int, shard_finite: np.ndarray, row_finite: np.ndarray):
+        """Map non-finite virtual shards to data shards (the same answer on every host: the global
+        order is computable everywhere) and quarantine them from this step on."""
+        b = self.plan.rows_per_shard
+        bad_rows = np.flatnonzero(~row_finite)
+        if bad_rows.size == 0:
+            # The loss was finite per sample but a gradient was not: blame every row of the shard.
+            bad_rows = np.concatenate([np.arange(v * b, (v + 1) * b) for v in np.flatnonzero(~shard_finite)])
+        sample_ids = data_lib.global_batch_ids(loader.order, step)[bad_rows]
+        shard_ids = self.manifest.shard_of(sample_ids)
+        records = []
+        for shard in sorted(set(int(s) for s in shard_ids)):
+            loader.quarantine(shard, step)
+            samples = sorted(int(x) for x in sample_ids[shard_ids == shard])
+            records.append(QuarantineRecord(step=step, shard=shard, samples=samples))
+        return records
+
+    # -- the run ------------------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        cfg = self.cfg
+        start_wall = time.perf_counter()
+        if self.is_writer:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.json").write_text(
+                json.dumps({"config_hash": cfg.hash, "config": cfg.to_dict()}, indent=2, sort_keys=True)
+            )
+        log = MetricsLog(self.run_dir, cfg.train.steps, progress=cfg.run.progress, enabled=self.is_writer)
+        log.console(
+            f"resilient_jax: config {cfg.hash[:16]} | dataset {self.manifest.version[:16]} | "
+            f"mesh {dict(self.mesh.shape)} | {self.plan.num_shards} virtual shards ({cfg.parallel.reduction})"
+        )
+        state = state_lib.init_state(self.model_def, self.tx, self.mesh, cfg.train.seed)
+        totals = RunTotals()
+        tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
+        loader = self.open_loader(start_step=0)
+        try:
+            for step in range(cfg.train.steps):
+                t0 = time.perf_counter()
+                result = self.compute_finite(state.params, loader, step, totals, log)
+                state, applied = self.apply(state, result.grads, np.int32(step))
+                loss = float(result.loss)
+                seconds = time.perf_counter() - t0
+                if step > 0:
+                    totals.steady_seconds += seconds
+                    totals.steady_steps += 1
+                if totals.first_loss is None:
+                    totals.first_loss = loss
+                totals.last_loss = loss
+                if step % cfg.train.log_every == 0 or step == cfg.train.steps - 1:
+                    log.log(step, {
+                        "loss": loss,
+                        "lr": float(applied.lr),
+                        "grad_norm": float(applied.grad_norm),
+                        "step_seconds": seconds,
+                        "tokens_per_s": tokens_per_step / seconds,
+                    })
+                log.advance()
+        finally:
+            loader.close()
+        summary = self._summary(state, totals, time.perf_counter() - start_wall, loader)
+        if self.is_writer:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
+        log.console(
+            f"done: step {summary['final_step']} loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f} "
+            f"fingerprint {summary['params_fingerprint'][:16]} ({summary['wall_seconds']:.1f} s)"
+        )
+        log.close()
+        return summary
+
+    def _summary(self, state, totals: RunTotals, wall: float, loader) -> dict[str, Any]:
+        cfg = self.cfg
+        steady = totals.steady_seconds / max(totals.steady_steps, 1)
+        return {
+            "final_step": cfg.train.steps,
+            "first_loss": totals.first_loss,
+            "final_loss": totals.last_loss,
+            "wall_seconds": wall,
+            "tokens_per_second": cfg.data.global_batch * cfg.data.seq_len / steady if steady else None,
+            "config_hash": cfg.hash,
+            "dataset_version": self.manifest.version,
+            "params_fingerprint": params_fingerprint(state.params),
+            "num_params": count_params(state.params),
+            "mesh": dict(self.mesh.shape),
+            "processes": jax.process_count(),
+            "reduction": cfg.parallel.reduction,
+            "virtual_shards": cfg.parallel.virtual_shards,
+            "faults_injected": [str(f) for f in self.faults],
+            "quarantined_shards": sorted({q.shard for q in totals.quarantines}),
+            "quarantine_events": [q.to_dict() for q in totals.quarantines],
+            "data_position": loader.position().to_dict(),
+            "restarts": 0,
+            "steps_lost": 0,
+        }
