@@ -102,7 +102,27 @@ class RunConfig:
     # Output directory: metrics.jsonl, TensorBoard events, config.json, summary.json.
     dir: str = "runs/default"
     # "auto": a live bar on a terminal, plain lines otherwise.
-    progress: Literal["auto", "bar", "plain", "off"] = "auto"
+    progress: Literal["auto", "bar", "plain", "quiet"] = "auto"
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """When and where the seven-field checkpoint is written (see resilient_jax.checkpoint)."""
+
+    enabled: bool = True
+    # "" = <run.dir>/checkpoints. A run whose checkpoint dir already holds checkpoints resumes.
+    dir: str = ""
+    # Save after every N completed steps and/or every T seconds (0 = off); the last step and a
+    # preemption (SIGTERM) always save.
+    every_steps: int = 50
+    every_seconds: float = 0.0
+    # Retention: the newest K (0 = all), plus every step that is a multiple of M (0 = none).
+    keep_last: int = 3
+    keep_every: int = 0
+    # Write in the background (training stalls only for the device-to-host copy).
+    async_save: bool = True
+    # Recompute every array's sha256 after a restore and refuse a mismatch.
+    verify_on_load: bool = True
 
 
 @dataclass(frozen=True)
@@ -113,6 +133,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     # Fault injections, e.g. ["nan_shard:3@20"]; parsed by resilient_jax.faults.
     faults: list[str] = field(default_factory=list)
 
@@ -261,6 +282,12 @@ def _coerce(value: Any, typ: Any, key: str) -> Any:
     elif typ is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):
+            # YAML 1.1 reads "1e-3" (no dot) as a string; accept any numeral Python accepts.
+            try:
+                return float(value)
+            except ValueError:
+                pass
     elif typ is str:
         if isinstance(value, str):
             return value

@@ -45,13 +45,13 @@ class ModelDef:
 
     def init_params(self, key: jax.Array):
         model = TransformerLM(self.cfg, rngs=nnx.Rngs(params=key))
-        return nnx.state(model, nnx.Param).to_pure_dict()
+        return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
 
 def make_model_def(cfg: ModelConfig) -> ModelDef:
     abstract = nnx.eval_shape(lambda: TransformerLM(cfg, rngs=nnx.Rngs(params=0)))
     graphdef, state = nnx.split(abstract, nnx.Param)
-    specs = nnx.get_partition_spec(state).to_pure_dict()
+    specs = nnx.to_pure_dict(nnx.get_partition_spec(state))
     logical = jax.tree.map(tuple, specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
     return ModelDef(cfg=cfg, graphdef=graphdef, template=state, logical_axes=logical)
 

@@ -157,7 +157,7 @@ def make_apply(
     def apply(state: TrainState, grads, step):
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = ApplyMetrics(grad_norm=optax.global_norm(grads), lr=schedule(step))
+        metrics = ApplyMetrics(grad_norm=optax.tree.norm(grads), lr=schedule(step))
         return TrainState(params=params, opt_state=opt_state), metrics
 
     rep = mesh_lib.replicated(mesh)

@@ -1,0 +1,89 @@
+"""Test-wide setup: 8 emulated CPU devices (before JAX initialises), a private dataset cache, helpers."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "configs" / "tiny.yaml"
+
+# Datasets built by the tests live in one cache per test session, never in the user's cache.
+os.environ.setdefault("RESILIENT_JAX_CACHE", tempfile.mkdtemp(prefix="rj-test-cache-"))
+
+import jax  # noqa: E402  (after the environment is set)
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+
+def tiny_config(run_dir: Path, *overrides: str):
+    from resilient_jax.config import load_config
+
+    return load_config(TINY, [f"run.dir={run_dir}", "run.progress=quiet", *overrides])
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: float = 600, check: bool = False):
+    """`python -m resilient_jax.<args>` in a subprocess; returns CompletedProcess with text output."""
+    full_env = {**os.environ, **(env or {})}
+    proc = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, env=full_env,
+                          timeout=timeout, cwd=REPO)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{args} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}")
+    return proc
+
+
+def read_summary(run_dir: Path) -> dict:
+    return json.loads((Path(run_dir) / "summary.json").read_text())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_multiprocess(num_processes: int, devices_per_process: int, run_dir: Path, *overrides: str,
+                     timeout: float = 600) -> list[subprocess.CompletedProcess]:
+    """One training job as N processes on 127.0.0.1, each with its own emulated CPU devices."""
+    port = free_port()
+    procs = []
+    for pid in range(num_processes):
+        env = {
+            **os.environ,
+            "RESILIENT_JAX_COORDINATOR": f"127.0.0.1:{port}",
+            "RESILIENT_JAX_NUM_PROCESSES": str(num_processes),
+            "RESILIENT_JAX_PROCESS_ID": str(pid),
+        }
+        cmd = [sys.executable, "-m", "resilient_jax.train", "--config", str(TINY),
+               "--set", f"parallel.devices={devices_per_process}", "--set", f"run.dir={run_dir}",
+               "--set", "run.progress=plain", *[a for o in overrides for a in ("--set", o)]]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                      cwd=REPO))
+    results = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout)
+            results.append(subprocess.CompletedProcess(p.args, p.returncode, out, ""))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for r in results:
+        assert r.returncode == 0, f"a process failed:\n{r.stdout[-3000:]}"
+    return results
+
+
+@pytest.fixture(scope="session")
+def default_dataset():
+    """The default dataset (stdlib sources), built once per session in the test cache."""
+    from resilient_jax.config import DataConfig
+    from resilient_jax.trainer import resolve_dataset
+
+    return resolve_dataset(DataConfig())
