@@ -126,6 +126,43 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class RegionConfig:
+    name: str = "local"
+    hosts: int = 1
+
+
+@dataclass(frozen=True)
+class TopologyConfig:
+    """Regions -> hosts -> devices. No regions: one process trains alone, without a controller.
+
+    With regions, `python -m resilient_jax.train` starts a controller and one worker process per
+    host (CPU emulation: each with `devices_per_host` devices); see resilient_jax.elastic.
+    """
+
+    regions: list[RegionConfig] = field(default_factory=list)
+    devices_per_host: int = 2
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """The elastic runtime: controller address, liveness and failure-detection timing."""
+
+    launcher: Literal["local"] = "local"
+    # The controller's control channel. Bound to loopback by default; any other address requires
+    # a token (here or in $RESILIENT_JAX_TOKEN).
+    bind: str = "127.0.0.1"
+    port: int = 0
+    token: str = ""
+    heartbeat_seconds: float = 0.5
+    # A host silent for this long is declared dead (and fenced with SIGKILL by the launcher).
+    dead_after_seconds: float = 6.0
+    # A collective that waits longer than this raises in the survivors (XLA CPU collective timeout).
+    collective_timeout_seconds: int = 5
+    # Fewer live hosts than this ends the run with an error instead of continuing.
+    min_hosts: int = 1
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -134,6 +171,8 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     run: RunConfig = field(default_factory=RunConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     # Fault injections, e.g. ["nan_shard:3@20"]; parsed by resilient_jax.faults.
     faults: list[str] = field(default_factory=list)
 
@@ -261,6 +300,11 @@ def _coerce(value: Any, typ: Any, key: str) -> Any:
             return []
         if not isinstance(value, list):
             raise ConfigError(f"config key {key}: expected a list of {item_type.__name__}, got {value!r}")
+        if dataclasses.is_dataclass(item_type):
+            bad = [v for v in value if not isinstance(v, dict)]
+            if bad:
+                raise ConfigError(f"config key {key}: expected a list of mappings, got {bad[0]!r}")
+            return [_build(item_type, v, prefix=f"{key}[{i}].") for i, v in enumerate(value)]
         return [_coerce(v, item_type, f"{key}[{i}]") for i, v in enumerate(value)]
     if origin in (typing.Union, types.UnionType):
         for option in typing.get_args(typ):

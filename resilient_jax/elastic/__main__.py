@@ -1,0 +1,46 @@
+"""`python -m resilient_jax.elastic status --run DIR` | `worker ...` (started by a launcher)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def status(run_dir: Path) -> int:
+    path = run_dir / "elastic" / "status.json"
+    if not path.is_file():
+        print(f"error: {path} not found: is {run_dir} the run.dir of an elastic run?", file=sys.stderr)
+        return 2
+    st = json.loads(path.read_text())
+    print(f"controller {st['controller']}  generation {st['generation']}  step {st['step']}"
+          f"{'  finished' if st['finished'] else ''}{'  ERROR: ' + st['error'] if st['error'] else ''}")
+    print(f"{'host':<8}{'region':<10}{'status':<12}{'gen':>5}{'step':>7}{'step s':>9}")
+    for host, m in st["members"].items():
+        print(f"{host:<8}{m['region']:<10}{m['status']:<12}{m['generation']:>5}{m['step']:>7}{m['step_seconds']:>9.3f}")
+    for event in st["events"]:
+        print(f"generation {event['generation']}: {event['reason']}"
+              + (f" lost {','.join(event['lost'])}" if event["lost"] else "")
+              + (f" joined {','.join(event['joined'])}" if event["joined"] else "")
+              + f" resume at step {event['resume_step']}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "worker":
+        from resilient_jax.elastic.worker import main as worker_main
+
+        return worker_main(argv[1:])
+    parser = argparse.ArgumentParser(prog="python -m resilient_jax.elastic")
+    sub = parser.add_subparsers(dest="command", required=True)
+    st = sub.add_parser("status", help="members, generation and step of a run")
+    st.add_argument("--run", required=True, type=Path, help="the run's run.dir")
+    sub.add_parser("worker", help="(started by a launcher) one host of an elastic run")
+    args = parser.parse_args(argv)
+    return status(args.run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

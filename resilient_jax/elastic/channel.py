@@ -1,0 +1,144 @@
+"""The control channel between controller and workers: JSON over HTTP (stdlib http.server/urllib).
+
+Loopback by default. Bound anywhere else, the controller refuses to start without a token, and
+every request must carry it (`Authorization: Bearer <token>`, compared in constant time).
+Training never waits on this channel while membership is unchanged: heartbeats run on their own
+thread and tolerate a briefly unreachable controller.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import logging
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+ROUTES = {
+    ("POST", "/register"): "register",
+    ("POST", "/heartbeat"): "heartbeat",
+    ("POST", "/world"): "wait_world",
+    ("POST", "/reform"): "reform",
+    ("POST", "/fault"): "fault",
+    ("POST", "/progress"): "progress",
+    ("POST", "/done"): "done",
+    ("GET", "/status"): "status",
+}
+
+
+class Refused(Exception):
+    """A request the controller rejects; the worker sees `message` verbatim."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class ControllerError(RuntimeError):
+    pass
+
+
+def is_loopback(bind: str) -> bool:
+    if bind == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(bind).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(bind: str, token: str) -> None:
+    if not is_loopback(bind) and not token:
+        raise ValueError(
+            f"runtime.bind is {bind}, not loopback: set runtime.token (or $RESILIENT_JAX_TOKEN) so that only "
+            "your workers can talk to the controller"
+        )
+
+
+def free_port(bind: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((bind, 0))
+        return s.getsockname()[1]
+
+
+def serve(target: Any, bind: str, port: int, token: str) -> ThreadingHTTPServer:
+    """Serve `target`'s handler methods (see ROUTES) on a background thread."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def _handle(self, method: str) -> None:
+            name = ROUTES.get((method, self.path.split("?")[0]))
+            if name is None:
+                return self._reply(404, {"error": f"no route {method} {self.path}"})
+            if token and not hmac.compare_digest(self.headers.get("Authorization", ""), f"Bearer {token}"):
+                return self._reply(401, {"error": "wrong or missing token: pass the run's runtime.token"})
+            try:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length) or b"{}") if length else {}
+                result = getattr(target, name)(**body)
+                self._reply(200, result)
+            except Refused as e:
+                self._reply(e.code, {"error": e.message})
+            except TypeError as e:
+                self._reply(400, {"error": f"bad request to {self.path}: {e}"})
+
+        def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+            self._handle("GET")
+
+        def do_POST(self) -> None:  # noqa: N802
+            self._handle("POST")
+
+        def _reply(self, code: int, payload: dict) -> None:
+            data = json.dumps(payload).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, fmt: str, *args: Any) -> None:
+            log.debug("controller: " + fmt, *args)
+
+    server = ThreadingHTTPServer((bind, port), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="controller-http", daemon=True).start()
+    return server
+
+
+class ControllerClient:
+    def __init__(self, url: str, token: str = "", *, timeout: float = 30.0):
+        self.url = url.rstrip("/")
+        self.token = token
+        self.timeout = timeout
+
+    def call(self, path: str, *, retry_seconds: float = 30.0, method: str = "POST", **body: Any) -> dict:
+        """One request; connection failures are retried for `retry_seconds` (controller restarts,
+        brief partitions); a refusal raises ControllerError with the controller's message."""
+        deadline = time.monotonic() + retry_seconds
+        data = None if method == "GET" else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        while True:
+            request = urllib.request.Request(self.url + path, data=data, headers=headers, method=method)
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                    return json.loads(response.read() or b"{}")
+            except urllib.error.HTTPError as e:
+                try:
+                    message = json.loads(e.read()).get("error", str(e))
+                except ValueError:
+                    message = str(e)
+                raise ControllerError(message) from None
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
+                if time.monotonic() > deadline:
+                    raise ControllerError(f"controller at {self.url} unreachable: {e}") from None
+                time.sleep(0.2)

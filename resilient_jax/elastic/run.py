@@ -1,0 +1,107 @@
+"""Driving an elastic run on one machine: controller + local launcher + host-fault schedule.
+
+`python -m resilient_jax.train --config configs/cpu-4host.yaml` lands here when the config names
+regions. The driver process hosts the controller (never a worker, never touches devices), starts
+one worker per host, starts extra hosts for `join_host@STEP`, and writes the run's one
+summary.json: the training summary from the final rank 0 plus what only the controller knows.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import threading
+import time
+from pathlib import Path
+
+from resilient_jax import faults as faults_lib
+from resilient_jax.config import Config, ConfigError
+from resilient_jax.elastic.controller import Controller
+from resilient_jax.elastic.launcher import LocalLauncher
+
+log = logging.getLogger(__name__)
+
+
+def host_plan(cfg: Config) -> list[tuple[str, str]]:
+    """(host id, region) for every initial host, in topology order: h0, h1, ..."""
+    plan = []
+    for region in cfg.topology.regions:
+        if region.hosts < 1:
+            raise ConfigError(f"topology.regions: region {region.name!r} needs hosts >= 1")
+        for _ in range(region.hosts):
+            plan.append((f"h{len(plan)}", region.name))
+    return plan
+
+
+def validate(cfg: Config) -> None:
+    names = [r.name for r in cfg.topology.regions]
+    if len(set(names)) != len(names):
+        raise ConfigError("topology.regions: region names must be unique")
+    hosts = len(host_plan(cfg))
+    for fault in faults_lib.parse_faults(cfg.faults):
+        if fault.kind in ("kill_host", "hang_host") and int(fault.target) >= hosts:
+            raise ConfigError(f"fault {fault}: host {fault.target} does not exist (hosts 0..{hosts - 1})")
+        if fault.kind == "kill_region" and fault.target not in names:
+            raise ConfigError(f"fault {fault}: region {fault.target!r} is not in topology.regions ({', '.join(names)})")
+
+
+def run_elastic(cfg: Config) -> dict:
+    validate(cfg)
+    run_dir = Path(cfg.run.dir)
+    (run_dir / "elastic").mkdir(parents=True, exist_ok=True)
+    config_path = run_dir / "elastic" / "config.json"
+    config_path.write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True))
+    token = cfg.runtime.token or os.environ.get("RESILIENT_JAX_TOKEN") or secrets.token_hex(16)
+    plan = host_plan(cfg)
+    launcher_box: list[LocalLauncher] = []
+
+    controller = Controller(
+        config_hash=cfg.hash, expected_hosts=len(plan), run_dir=run_dir, bind=cfg.runtime.bind,
+        port=cfg.runtime.port, token=token, dead_after_seconds=cfg.runtime.dead_after_seconds,
+        min_hosts=cfg.runtime.min_hosts, on_dead=lambda host: launcher_box[0].fence(host) if launcher_box else None,
+    )
+    (run_dir / "elastic" / "controller.json").write_text(json.dumps({"url": controller.url, "pid": os.getpid()}))
+
+    def on_exit(host: str, code: int) -> None:
+        if code != 0 and controller.summary is None:
+            controller.mark_dead(host, f"process exited with code {code}")
+
+    launcher = LocalLauncher(controller_url=controller.url, token=token, config_path=config_path,
+                             log_dir=run_dir / "elastic" / "logs", on_exit=on_exit,
+                             devices_per_host=cfg.topology.devices_per_host)
+    launcher_box.append(launcher)
+    print(f"resilient_jax: controller {controller.url} | {len(plan)} hosts in "
+          f"{len(cfg.topology.regions)} regions | config {cfg.hash}", flush=True)
+    for host, region in plan:
+        launcher.start_host(host, region)
+    joins = threading.Thread(target=_schedule_joins, args=(cfg, controller, launcher, len(plan)), daemon=True)
+    joins.start()
+    started = time.perf_counter()
+    try:
+        summary = controller.wait_finished()
+    finally:
+        codes = launcher.stop()
+        report = controller.elastic_report()
+        controller.close()
+    summary = {**summary, **report, "wall_seconds": time.perf_counter() - started,
+               "worker_exit_codes": codes}
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
+    print(f"done: step {summary['final_step']} | generations {summary['generations']} | failures absorbed "
+          f"{summary['failures_absorbed']} | restarts {summary['restarts']} | steps lost {summary['steps_lost']} | "
+          f"fingerprint {summary['params_fingerprint'][:16]}", flush=True)
+    return summary
+
+
+def _schedule_joins(cfg: Config, controller: Controller, launcher: LocalLauncher, first_index: int) -> None:
+    """join_host@STEP: start one more host once the run has reached STEP."""
+    pending = sorted(f.step for f in faults_lib.parse_faults(cfg.faults) if f.kind == "join_host")
+    index = first_index
+    while pending and controller.summary is None and controller.error is None:
+        if controller.status()["step"] >= pending[0]:
+            pending.pop(0)
+            region = cfg.topology.regions[index % len(cfg.topology.regions)].name
+            launcher.start_host(f"h{index}", region)
+            index += 1
+        time.sleep(0.1)

@@ -1,0 +1,52 @@
+"""Private JAX/orbax APIs this project depends on. If one moves, this fails loudly and names it.
+
+Pinned: jax==0.10.2, orbax-checkpoint==0.12.8 (pyproject.toml). Used by resilient_jax/elastic/world.py
+(workers join a world whose coordination service lives in the controller) and by tests.
+"""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+
+def test_distributed_runtime_service_and_client_factories():
+    from jax._src.lib import _jax
+
+    doc = _jax.get_distributed_runtime_service.__doc__ or ""
+    assert "recoverable" in doc and "heartbeat_timeout" in doc, doc
+    doc = _jax.get_distributed_runtime_client.__doc__ or ""
+    for name in ("node_id", "init_timeout", "heartbeat_timeout", "use_compression"):
+        assert name in doc, f"get_distributed_runtime_client lost {name}: {doc}"
+
+
+def test_distributed_global_state_fields():
+    from jax._src import distributed
+
+    state = distributed.global_state
+    for name in ("client", "service", "process_id", "num_processes", "coordinator_address"):
+        assert hasattr(state, name), f"jax._src.distributed.global_state has no {name}"
+
+
+def test_recoverability_flag_and_backend_reset_exist():
+    import jax.extend
+
+    jax.config.update("jax_enable_recoverability", False)  # exists (raises if the option moved)
+    assert callable(jax.extend.backend.clear_backends)
+
+
+def test_orbax_signalling_client_cache():
+    from orbax.checkpoint._src.futures import signaling_client
+
+    assert hasattr(signaling_client.get_signaling_client, "cache_clear")
+
+
+def test_jit_cache_size_used_by_the_no_recompile_test():
+    f = jax.jit(lambda x: x + 1)
+    f(1.0)
+    assert f._cache_size() == 1
+
+
+@pytest.mark.parametrize("name", ["all_to_all", "all_gather", "psum", "axis_index"])
+def test_public_collectives_used_by_the_reduction(name):
+    assert callable(getattr(jax.lax, name))
