@@ -1,5 +1,10 @@
 """`python -m resilient_jax.train --config configs/tiny.yaml [--set section.key=value ...] [--fault SPEC ...]`
 
+Checkpoints: a run whose checkpoint dir (checkpoint.dir, default <run.dir>/checkpoints) already
+holds checkpoints resumes from the newest; `--resume latest|STEP|PATH` names one explicitly.
+Exit codes: 0 done (or stopped by --stop-at), 2 bad input (one line on stderr), 143 preempted
+(SIGTERM: a checkpoint was committed first; rerun the same command to continue).
+
 Thin on purpose: parse, set up devices, build a Trainer, run it. Everything else is importable.
 """
 
@@ -11,6 +16,9 @@ import sys
 from resilient_jax.config import Config, ConfigError, load_config
 
 
+PREEMPTED_EXIT = 143  # 128 + SIGTERM, what a scheduler expects of a process it terminated
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m resilient_jax.train", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="YAML file with config sections (see configs/)")
@@ -18,6 +26,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="override one config key; repeatable")
     parser.add_argument("--fault", dest="faults", action="append", default=[], metavar="SPEC",
                         help="inject a fault, e.g. nan_shard:3@20; repeatable (added to the config's faults)")
+    parser.add_argument("--resume", metavar="latest|STEP|PATH", default=None,
+                        help="continue from a checkpoint (default: the newest in the checkpoint dir, if any)")
+    parser.add_argument("--allow-config-change", metavar="KEY,KEY", default="",
+                        help="resume although these config keys differ from the checkpoint's (recorded)")
+    parser.add_argument("--stop-at", metavar="STEP", type=int, default=None,
+                        help="stop after STEP steps with a checkpoint, as a preemption would")
     return parser.parse_args(argv)
 
 
@@ -45,13 +59,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = build_config(args)
         setup_devices(cfg)
+        from resilient_jax.checkpoint.store import CheckpointSaveError
         from resilient_jax.data import DatasetError
         from resilient_jax.trainer import Trainer
 
+        allow = [k for k in args.allow_config_change.split(",") if k.strip()]
         try:
-            Trainer(cfg).run()
-        except DatasetError as e:
+            summary = Trainer(cfg, resume=args.resume, allow_config_change=allow, stop_at=args.stop_at).run()
+        except (DatasetError, CheckpointSaveError) as e:
             raise ConfigError(str(e)) from None
+        if summary.get("stopped") == "preempted":
+            return PREEMPTED_EXIT
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -25,6 +25,7 @@ from resilient_jax import faults as faults_lib
 from resilient_jax import mesh as mesh_lib
 from resilient_jax import state as state_lib
 from resilient_jax import step as step_lib
+from resilient_jax.checkpoint.session import CheckpointSession, rewind_metrics
 from resilient_jax.config import Config, DataConfig
 from resilient_jax.fingerprinting import params_fingerprint
 from resilient_jax.metrics import MetricsLog
@@ -75,8 +76,14 @@ class RunTotals:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, *, devices: list[jax.Device] | None = None):
+    def __init__(self, cfg: Config, *, devices: list[jax.Device] | None = None, resume: str | None = None,
+                 allow_config_change: list[str] = (), stop_at: int | None = None):
+        """`resume`, `allow_config_change`: see resilient_jax.checkpoint.session; `stop_at`: stop (and
+        checkpoint) after that many steps, as a preemption would."""
         self.cfg = cfg
+        self.resume = resume
+        self.allow_config_change = list(allow_config_change)
+        self.stop_at = stop_at
         self.faults = faults_lib.parse_faults(cfg.faults)
         self.mesh = mesh_lib.build_mesh(cfg.parallel, devices)
         self.plan = step_lib.make_shard_plan(
@@ -125,9 +132,16 @@ class Trainer:
             jax.make_array_from_process_local_data(sharding, weights, (total, weights.shape[1])),
         )
 
-    def open_loader(self, start_step: int, quarantine=()) -> data_lib.HostBatchLoader:
+    def open_loader(self, start_step: int, quarantine=(),
+                    position: data_lib.DataPosition | None = None) -> data_lib.HostBatchLoader:
         lo, hi = self.local_rows()
         real_rows = (min(lo, self.cfg.data.global_batch), min(hi, self.cfg.data.global_batch))
+        if position is not None:  # a resume: checks the dataset version and global batch too
+            return data_lib.HostBatchLoader.from_position(
+                self.manifest, position, seed=self.cfg.train.seed, global_batch=self.cfg.data.global_batch,
+                rows=real_rows if real_rows[1] > real_rows[0] else None, prefetch=self.cfg.data.prefetch,
+                poison=faults_lib.nan_shard_poison(self.faults),
+            )
         return data_lib.HostBatchLoader(
             self.manifest,
             seed=self.cfg.train.seed,
@@ -187,17 +201,38 @@ class Trainer:
             (self.run_dir / "config.json").write_text(
                 json.dumps({"config_hash": cfg.hash, "config": cfg.to_dict()}, indent=2, sort_keys=True)
             )
-        log = MetricsLog(self.run_dir, cfg.train.steps, progress=cfg.run.progress, enabled=self.is_writer)
+        ckpt = CheckpointSession(cfg, self.mesh, self.manifest.version, resume=self.resume,
+                                 allow_config_change=self.allow_config_change)
+        try:
+            resumed = ckpt.restore(state_lib.abstract_state(self.model_def, self.tx, self.mesh))
+        except BaseException:
+            ckpt.close()
+            raise
+        start = resumed.step if resumed else 0
+        # Steps after the checkpoint run again; keep one metrics record per step (see rewind_metrics).
+        dropped = rewind_metrics(self.run_dir / "metrics.jsonl", start) if resumed and self.is_writer else 0
+        log = MetricsLog(self.run_dir, cfg.train.steps, progress=cfg.run.progress, start_step=start,
+                         enabled=self.is_writer)
         log.console(
-            f"resilient_jax: config {cfg.hash[:16]} | dataset {self.manifest.version[:16]} | "
+            f"resilient_jax: config {cfg.hash} | dataset {self.manifest.version[:16]} | "
             f"mesh {dict(self.mesh.shape)} | {self.plan.num_shards} virtual shards ({cfg.parallel.reduction})"
         )
-        state = state_lib.init_state(self.model_def, self.tx, self.mesh, cfg.train.seed)
+        if resumed:
+            for event in resumed.decision.events(resumed.path):
+                log.event({**event, "dropped_metrics": dropped} if event["event"] == "resume" else event)
+            for warning in resumed.decision.warnings:
+                log.console(f"warning: {warning}")
+            state = resumed.state
+        else:
+            state = state_lib.init_state(self.model_def, self.tx, self.mesh, cfg.train.seed)
         totals = RunTotals()
         tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
-        loader = self.open_loader(start_step=0)
+        loader = self.open_loader(start_step=start, position=resumed.position if resumed else None)
+        end = cfg.train.steps if self.stop_at is None else min(self.stop_at, cfg.train.steps)
+        step = start - 1
+        stopped = None
         try:
-            for step in range(cfg.train.steps):
+            for step in range(start, end):
                 t0 = time.perf_counter()
                 result = self.compute_finite(state.params, loader, step, totals, log)
                 state, applied = self.apply(state, result.grads, np.int32(step))
@@ -218,13 +253,24 @@ class Trainer:
                         "tokens_per_s": tokens_per_step / seconds,
                     })
                 log.advance()
+                if ckpt.after_step(step + 1, state, loader.position()):
+                    stopped = "preempted"
+                    break
+            if stopped is None and end < cfg.train.steps:
+                stopped = "stop_at"
+            ckpt.finish(step + 1, state, loader.position())
         finally:
             loader.close()
+            ckpt.close()
         summary = self._summary(state, totals, time.perf_counter() - start_wall, loader)
+        summary.update(final_step=step + 1, stopped=stopped, checkpoint=ckpt.summary(),
+                       resumed_from={"step": start, "path": str(resumed.path)} if resumed else None)
         if self.is_writer:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
+        losses = (f"loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f}"
+                  if summary["first_loss"] is not None else "no steps left to run")
         log.console(
-            f"done: step {summary['final_step']} loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f} "
+            f"{'stopped (' + stopped + ')' if stopped else 'done'}: step {summary['final_step']} {losses} "
             f"fingerprint {summary['params_fingerprint'][:16]} ({summary['wall_seconds']:.1f} s)"
         )
         log.close()

@@ -1,0 +1,5 @@
+import sys
+
+from resilient_jax.checkpoint.cli import main
+
+sys.exit(main())

@@ -1,0 +1,294 @@
+"""CheckpointStore: one checkpoint root written through one orbax CheckpointManager.
+
+A save is ONE orbax Composite save of eight items -- the seven fields plus the manifest -- so orbax
+commits them together: it writes `<step>.orbax-checkpoint-tmp.../` and renames it to `<step>/`
+only when every item is written. A process killed mid-save leaves only the temporary directory,
+which no reader lists and the next store removes on open.
+
+    weights, optimizer       StandardSave (OCDBT + zarr, each process writes its own shards)
+    rng, data, config,       JsonSave (process 0 writes)
+    topology, provenance
+    manifest                 format version, per-array sha256, per-context sha256 (process 0)
+
+Asynchronous saves: `save` returns once the arrays are copied off the devices (the caller may then
+donate the state); orbax writes in the background and the manifest's hashes are computed on a
+worker thread from process 0's own host copy, finishing inside the same commit. A failed
+background write (e.g. a full disk) surfaces as CheckpointSaveError at the next `save`, `wait` or
+`close`, and its temporary directory is removed; committed steps are never touched.
+
+`save` must be called on every process with the same step (orbax synchronises them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import gc
+import logging
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from resilient_jax.checkpoint import checksums, orbax_errors, reader
+from resilient_jax.checkpoint.reader import (
+    ARRAY_FIELDS, CONTEXT_FIELDS, FIELDS, FORMAT_VERSION, MANIFEST, CheckpointError, json_sha256,
+)
+
+
+class CheckpointSaveError(RuntimeError):
+    """A save that could not be completed; committed checkpoints are intact."""
+
+
+# -- the manifest item: a JSON file whose content is finished on a worker thread --------------------
+
+
+class ManifestHandler(ocp.JsonCheckpointHandler):
+    """Writes `manifest/manifest.json` (process 0) once the pending hashes are computed."""
+
+    def __init__(self):
+        super().__init__(filename=f"{MANIFEST}.json")
+
+    async def _save_fn(self, x, directory):
+        manifest = await asyncio.wrap_future(x) if isinstance(x, concurrent.futures.Future) else x
+        await super()._save_fn(manifest, directory)
+
+
+@ocp.args.register_with_handler(ManifestHandler, for_save=True, for_restore=True)
+@dataclasses.dataclass
+class ManifestSave(ocp.args.CheckpointArgs):
+    item: concurrent.futures.Future | dict
+
+
+orbax_errors.install_log_filters()
+
+
+class _Retention:
+    """Adapts `keep(steps) -> set` (SavePolicy.keep) to orbax's PreservationPolicy protocol."""
+
+    def __init__(self, keep: Callable[[Sequence[int]], set[int]]):
+        self._keep = keep
+
+    def should_preserve(self, checkpoints, *, context):
+        del context
+        kept = self._keep([c.step for c in checkpoints])
+        return [c.step in kept for c in checkpoints]
+
+
+# Orbax splits a replicated array into slices written by different replicas ("replica parallel").
+# Across hosts that spreads the write bandwidth; inside one process it only adds a device slice per
+# replica per array (~2 s of compiles on the first save of the tiny model, for nothing). So: only
+# with several processes, and only for slices of at least this many bytes.
+REPLICA_PARALLEL_MIN_SLICE_BYTES = 4 << 20
+
+
+_configured_for: int | None = None
+
+
+def configure_array_writes() -> None:
+    """Registers orbax's jax.Array handler with the replica-parallel setting above (process-wide)."""
+    global _configured_for
+    from orbax.checkpoint._src.metadata import array_metadata_store
+
+    if _configured_for == jax.process_count():
+        return
+    handler = ocp.type_handlers.ArrayHandler(
+        array_metadata_store=array_metadata_store.Store(),
+        use_replica_parallel=jax.process_count() > 1,
+        min_slice_bytes_for_replica_parallel=REPLICA_PARALLEL_MIN_SLICE_BYTES,
+    )
+    absl_logger = logging.getLogger("absl")
+    level = absl_logger.level
+    absl_logger.setLevel(logging.ERROR)  # orbax warns that it overrides its default; that is the point
+    try:
+        ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
+    finally:
+        absl_logger.setLevel(level)
+    _configured_for = jax.process_count()
+
+
+def check_writable(root: Path) -> None:
+    """Fails early (and by name) when the checkpoint directory cannot be written."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".write-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as e:
+        raise CheckpointError(root, "checkpoint.dir", f"is not writable ({e.strerror or e})") from None
+
+
+def remove_temporary(root: Path) -> list[Path]:
+    """Deletes leftovers of saves that never committed; returns what was removed."""
+    removed = []
+    for path in reader.temporary_dirs(root):
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+class CheckpointStore:
+    def __init__(self, root: str | Path, *, async_save: bool = True,
+                 keep: Callable[[Sequence[int]], set[int]] | None = None):
+        self.root = Path(root)
+        check_writable(self.root)
+        if jax.process_index() == 0:
+            # Orbax can also do this (cleanup_tmp_directories) but in the background; doing it here
+            # means a store that opened has no leftovers, which the kill tests check.
+            self.removed_temporary = remove_temporary(self.root)
+        else:
+            self.removed_temporary = []
+        configure_array_writes()
+        orbax_errors.quiet_abandoned_async_errors()
+        handlers: dict[str, Any] = {name: ocp.StandardCheckpointHandler() for name in ARRAY_FIELDS}
+        handlers.update({name: ocp.JsonCheckpointHandler(filename=f"{name}.json") for name in CONTEXT_FIELDS})
+        handlers[MANIFEST] = ManifestHandler()
+        options = ocp.CheckpointManagerOptions(
+            enable_async_checkpointing=async_save,
+            create=True,
+            preservation_policy=_Retention(keep) if keep is not None else None,
+            save_root_metadata=False,
+        )
+        self._manager = ocp.CheckpointManager(self.root, options=options, item_handlers=handlers)
+        self._hasher = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-hash")
+        self._pending_step: int | None = None
+
+    # -- listing ------------------------------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        return reader.list_steps(self.root)
+
+    def reload(self) -> None:
+        """Re-reads the step list after steps were moved by hand (orbax caches it)."""
+        self._manager.reload()
+
+    def step_dir(self, step: int) -> Path:
+        return self.root / str(step)
+
+    # -- saving ---------------------------------------------------------------------------------------
+
+    def save(self, step: int, state, context: dict[str, dict[str, Any]]) -> None:
+        """Starts saving `state` (a TrainState) and the five context dicts as step `step`."""
+        missing = [name for name in CONTEXT_FIELDS if name not in context]
+        if missing:
+            raise ValueError(f"context lacks field(s) {', '.join(missing)}")
+        self._raise_failed_save()
+        # Host copies first (and on the primary only, where the manifest is written), so the state
+        # may be donated as soon as this returns; hashing them happens on the worker thread.
+        copies = None
+        if jax.process_index() == 0 or not _all_held_locally(state):
+            copies = {"weights": checksums.host_copies(state.params),
+                      "optimizer": checksums.host_copies(state.opt_state)}
+        pending: concurrent.futures.Future = self._hasher.submit(_manifest, step, copies, context)
+        args = ocp.args.Composite(
+            weights=ocp.args.StandardSave(state.params),
+            optimizer=ocp.args.StandardSave(state.opt_state),
+            **{name: ocp.args.JsonSave(context[name]) for name in CONTEXT_FIELDS},
+            **{MANIFEST: ManifestSave(pending)},
+        )
+        self._pending_step = step
+        try:
+            self._manager.save(step, args=args, force=True)
+        except Exception as e:
+            self._fail(step, e)
+
+    def wait(self) -> None:
+        """Blocks until the last save committed; raises CheckpointSaveError if it failed."""
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:
+            self._fail(self._pending_step, e)
+        self._pending_step = None
+
+    def _raise_failed_save(self) -> None:
+        # orbax re-raises a background failure on the next call that waits; make it ours.
+        try:
+            self._manager.check_for_errors()
+        except Exception as e:
+            self._fail(self._pending_step, e)
+
+    def _fail(self, step: int | None, error: BaseException) -> None:
+        # The first failing item ends the save, but other items' writes may still be running and
+        # would recreate the temporary directory after we removed it: let them finish first.
+        orbax_errors.join_background_writes()
+        if jax.process_index() == 0:
+            remove_temporary(self.root)
+        committed = self.steps()
+        intact = (f"the newest committed checkpoint, step {committed[-1]}, is intact" if committed
+                  else "no checkpoint was committed before")
+        item = re.search(r"orbax-checkpoint-tmp[^/]*/(\w+)\.orbax-checkpoint-tmp", str(error))
+        where = f" while writing {item.group(1)}" if item else ""
+        if orbax_errors.is_disk_full(error):
+            cause = f"no space left on device{where}"
+        elif isinstance(error, OSError) and error.strerror:
+            cause = f"{error.strerror}{where} ({error.filename})"
+        else:
+            cause = f"{orbax_errors.first_line(error)}{where}"
+        self._pending_step = None
+        raise CheckpointSaveError(f"checkpoint save of step {step} to {self.root} failed: {cause}; {intact}") from error
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._manager.close()
+            self._hasher.shutdown(wait=True)
+
+    # -- restoring ------------------------------------------------------------------------------------
+
+    @staticmethod
+    def restore_arrays(step_dir: str | Path, abstract_state, *, verify: bool = True):
+        """The state saved in `step_dir`, laid out as `abstract_state` says (its shardings: reshards).
+
+        Each array field is restored on its own so that a failure names it; `verify` re-hashes the
+        restored arrays against the manifest.
+        """
+        step_dir = Path(step_dir)
+        manifest = reader.read_manifest(step_dir)
+        orbax_errors.quiet_abandoned_async_errors()
+        restored = {}
+        for name, target in (("weights", abstract_state.params), ("optimizer", abstract_state.opt_state)):
+            try:
+                with ocp.StandardCheckpointer() as checkpointer:
+                    restored[name] = checkpointer.restore((step_dir / name).resolve(), target)
+            except Exception as e:  # orbax/tensorstore raise many types; all mean "unusable"
+                gc.collect()  # finalize the sibling reads orbax abandoned now, while they are filtered
+                raise _diagnose(step_dir, name, manifest, e) from None
+            if verify:
+                bad = checksums.mismatches(restored[name], manifest["arrays"][name])
+                if bad:
+                    raise CheckpointError(step_dir, name, f"array {bad[0]} does not match its sha256 in the "
+                                                          f"manifest ({len(bad)} array(s) differ)")
+        return type(abstract_state)(params=restored["weights"], opt_state=restored["optimizer"])
+
+
+def _diagnose(step_dir: Path, name: str, manifest: dict[str, Any], error: Exception) -> CheckpointError:
+    """Names the array orbax could not restore, by re-reading the field with the reference reader."""
+    for array_name, entry in manifest["arrays"][name].items():
+        try:
+            reader.read_array(step_dir, name, array_name, entry)
+        except CheckpointError as found:
+            return found
+    return CheckpointError(step_dir, name, f"could not be restored ({orbax_errors.first_line(error)})")
+
+
+def _manifest(step: int, copies: dict[str, list] | None, context: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    arrays = {name: checksums.manifest_entries(copies[name]) for name in ARRAY_FIELDS} if copies else {}
+    return {
+        "format_version": FORMAT_VERSION,
+        "step": int(step),
+        "fields": list(FIELDS),
+        "arrays": arrays,
+        "context_sha256": {name: json_sha256(context[name]) for name in CONTEXT_FIELDS},
+    }
+
+
+def _all_held_locally(state) -> bool:
+    return all(checksums.held_by_every_process(leaf) for leaf in jax.tree.leaves(state) if isinstance(leaf, jax.Array))

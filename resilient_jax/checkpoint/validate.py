@@ -1,0 +1,158 @@
+"""Validation on load: may this checkpoint continue this run, and what must the next one record?
+
+Pure functions on the context dicts (no JAX), one rule per field:
+
+    data        another dataset version                      -> refuse
+    config      another hash                                  -> refuse unless --allow-config-change
+                                                                 names every differing key; record
+    rng         another PRNG impl or key for the same seed    -> refuse (keys would differ)
+    topology    other hosts / devices / mesh                  -> allowed (restore reshards); record
+    provenance  another commit sha                            -> warn; record
+
+Keys that cannot change the trajectory (OPERATIONAL: where output goes, how progress shows, when
+checkpoints are written) are recorded like any change but need no allowance: refusing a resume
+because the progress bar or the run directory changed would protect nothing. Likewise keys that
+newer code added, absent from the saved config and at their default value now. Naming a key in
+--allow-config-change that did not change is only a warning, so a wrapper that always passes the
+flag keeps working once the change has been recorded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from resilient_jax.checkpoint import topology as topology_lib
+from resilient_jax.checkpoint.context import History
+from resilient_jax.checkpoint.reader import CheckpointError
+from resilient_jax.config import Config, diff_keys
+
+# Config keys (or "section." prefixes) that never change the trajectory of a run.
+OPERATIONAL = ("run.", "checkpoint.", "train.log_every", "data.prefetch")
+
+
+def is_operational(key: str) -> bool:
+    return any(key == p or (p.endswith(".") and key.startswith(p)) for p in OPERATIONAL)
+
+
+@dataclass
+class ResumeDecision:
+    step: int
+    config_changes: list[str] = field(default_factory=list)
+    topology_changed: bool = False
+    commit_changed: bool = False
+    warnings: list[str] = field(default_factory=list)
+    history: History = field(default_factory=History)
+
+    def events(self, path: str | Path) -> list[dict[str, Any]]:
+        """What to log about this resume (a metrics.jsonl event each)."""
+        out = [{"event": "resume", "step": self.step, "checkpoint": str(path)}]
+        if self.config_changes:
+            out.append({"event": "config_change", "step": self.step, **self.history.config[-1]})
+        if self.topology_changed:
+            out.append({"event": "topology_change", **self.history.topology[-1]})
+        if self.commit_changed:
+            out.append({"event": "commit_change", **self.history.provenance[-1]})
+        return out
+
+
+def _short(sha: str | None) -> str:
+    return "unknown" if not sha else sha[:12]
+
+
+def check_resume(path: str | Path, saved: dict[str, dict[str, Any]], current: dict[str, dict[str, Any]],
+                 allow_config_change: Sequence[str] = ()) -> ResumeDecision:
+    """Compare a checkpoint's context with the run about to continue from it.
+
+    `current` holds the five context fields the new run would write at the same step.
+    """
+    step = int(saved["data"]["step"])
+    decision = ResumeDecision(step=step, history=History.of(saved))
+
+    saved_version, version = saved["data"]["dataset_version"], current["data"]["dataset_version"]
+    if saved_version != version:
+        raise CheckpointError(path, "data", f"dataset version {_short(saved_version)} differs from the configured "
+                                            f"dataset's {_short(version)}; resume with the dataset the run started on")
+
+    _check_config(path, saved["config"], current["config"], allow_config_change, decision)
+
+    if "train.seed" not in decision.config_changes:
+        for key in ("impl", "base_key_data"):
+            if saved["rng"].get(key) != current["rng"].get(key):
+                raise CheckpointError(path, "rng", f"{key} {saved['rng'].get(key)!r} differs from this run's "
+                                                   f"{current['rng'].get(key)!r} for the same seed (another JAX "
+                                                   "PRNG?); the resumed run would draw different keys")
+
+    old_topology, new_topology = saved["topology"], current["topology"]
+    if topology_lib.comparable(old_topology) != topology_lib.comparable(new_topology):
+        decision.topology_changed = True
+        decision.history.topology.append({
+            "step": step,
+            "from": topology_lib.comparable(old_topology),
+            "to": topology_lib.comparable(new_topology),
+            "from_text": topology_lib.describe(old_topology),
+            "to_text": topology_lib.describe(new_topology),
+        })
+
+    old_code, new_code = saved["provenance"], current["provenance"]
+    if old_code.get("commit") != new_code.get("commit"):
+        decision.commit_changed = True
+        decision.history.provenance.append({
+            "step": step,
+            "from": {k: old_code.get(k) for k in ("commit", "dirty", "version")},
+            "to": {k: new_code.get(k) for k in ("commit", "dirty", "version")},
+        })
+        decision.warnings.append(
+            f"checkpoint {path} was written by commit {_short(old_code.get('commit'))}, this is "
+            f"{_short(new_code.get('commit'))}; continuing and recording the change"
+        )
+    return decision
+
+
+def _check_config(path, saved: dict[str, Any], current: dict[str, Any], allow: Sequence[str],
+                  decision: ResumeDecision) -> None:
+    allowed = {k.strip() for k in allow if k.strip()}
+    changed = diff_keys(saved["config"], current["config"]) if saved["hash"] != current["hash"] else []
+    defaults = Config().to_dict()
+    added = [k for k in changed
+             if _lookup(saved["config"], k) is _ABSENT and _lookup(current["config"], k) == _lookup(defaults, k)]
+    unallowed = [k for k in changed if k not in allowed and not is_operational(k) and k not in added]
+    if unallowed:
+        raise CheckpointError(
+            path, "config",
+            f"hash {_short(saved['hash'])} differs from this run's {_short(current['hash'])} in "
+            f"{', '.join(unallowed)}; to continue anyway, pass --allow-config-change {','.join(unallowed)}",
+        )
+    unused = sorted(allowed - set(changed))
+    if unused:
+        decision.warnings.append(f"--allow-config-change names {', '.join(unused)}, which did not change")
+    if changed:
+        decision.config_changes = changed
+        decision.history.config.append({
+            "step": decision.step,
+            "keys": changed,
+            "allowed": sorted(k for k in changed if not is_operational(k) and k not in added),
+            "added_with_defaults": added,
+            "from_hash": saved["hash"],
+            "to_hash": current["hash"],
+            "from": {k: _json_value(_lookup(saved["config"], k)) for k in changed},
+            "to": {k: _json_value(_lookup(current["config"], k)) for k in changed},
+        })
+
+
+_ABSENT = object()
+
+
+def _json_value(value: Any) -> Any:
+    return "<absent>" if value is _ABSENT else value
+
+
+def _lookup(config: dict[str, Any], dotted: str) -> Any:
+    node: Any = config
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return _ABSENT
+        node = node[part]
+    return node

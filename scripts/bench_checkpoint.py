@@ -1,0 +1,182 @@
+"""Training stall per checkpoint save: asynchronous vs synchronous, against one device-to-host copy.
+
+For each config, on the trainer's real step (data loader, compute, apply) and real CheckpointStore:
+
+    normal_step_s      median step time without a save
+    d2h_copy_s         one device-to-host copy of the whole state (params + optimizer), median
+    async.stall_s      (save call + the step run right after it) - normal step: what the training
+                       thread loses to an asynchronous save (median over saves)
+    async.save_call_s  the save call alone (orbax's device-to-host copy + our host copy for hashing)
+    async.background_overhead_s   extra step time while the background write was running
+    async.commit_s     save call -> committed directory (background write + hashes + rename)
+    sync.stall_s       a synchronous save (returns when committed): its whole duration is lost
+
+    python scripts/bench_checkpoint.py [--config configs/tiny.yaml --config configs/small.yaml]
+                                       [--saves 3] [--steps 4] [--set k=v ...]
+
+Prints one JSON object. Not a test: numbers depend on the machine (2 CPU cores here, so background
+writes compete with the step for the same cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class CommitWatcher:
+    """Notes when a step directory appears (the commit), polling every millisecond on a thread."""
+
+    def __init__(self, path: Path):
+        import threading
+
+        self._path, self._seen = path, None
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        while not self._path.is_dir():
+            time.sleep(0.001)
+        self._seen = time.perf_counter()
+
+    def seen_at(self) -> float:
+        self._thread.join()
+        return self._seen
+
+
+def bench(config: str, overrides: list[str], saves: int, steps: int) -> dict:
+    import jax
+    import numpy as np
+
+    from resilient_jax import state as state_lib
+    from resilient_jax.checkpoint import checksums
+    from resilient_jax.checkpoint.context import build_context
+    from resilient_jax.checkpoint.store import CheckpointStore
+    from resilient_jax.config import load_config
+    from resilient_jax.metrics import MetricsLog
+    from resilient_jax.model import count_params
+    from resilient_jax.trainer import RunTotals, Trainer
+
+    work = Path(tempfile.mkdtemp(prefix="bench-ckpt-"))
+    cfg = load_config(config, [*overrides, f"run.dir={work / 'run'}", "run.progress=quiet"])
+    trainer = Trainer(cfg)
+    state = state_lib.init_state(trainer.model_def, trainer.tx, trainer.mesh, cfg.train.seed)
+    loader = trainer.open_loader(start_step=0)
+    totals, log = RunTotals(), MetricsLog(work, cfg.train.steps, enabled=False)
+    step = 0
+
+    def one_step() -> float:
+        nonlocal state, step
+        t0 = time.perf_counter()
+        result = trainer.compute_finite(state.params, loader, step, totals, log)
+        state, _ = trainer.apply(state, result.grads, np.int32(step))
+        float(result.loss)
+        jax.block_until_ready(state)
+        step += 1
+        return time.perf_counter() - t0
+
+    def context():
+        return build_context(cfg, trainer.mesh, loader.position())
+
+    for _ in range(2):  # compile
+        one_step()
+    normal = statistics.median(one_step() for _ in range(steps))
+
+    d2h = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        checksums.host_copies(state)
+        d2h.append(time.perf_counter() - t0)
+
+    # Asynchronous saves: the training thread pays the save call, then steps run beside the write.
+    store = CheckpointStore(work / "async", async_save=True)
+    store.save(step, state, context())  # the first save sets orbax up; not measured
+    store.wait()
+    async_rows = []
+    for _ in range(saves):
+        one_step()
+        save_step = step
+        committed = work / "async" / str(save_step)
+        t0 = time.perf_counter()
+        watcher = CommitWatcher(committed)
+        store.save(save_step, state, context())
+        call = time.perf_counter() - t0
+        first = one_step()
+        overhead = 0.0
+        while not committed.is_dir():
+            overhead += max(one_step() - normal, 0.0)
+            if step > 10_000:
+                raise RuntimeError("the save never committed")
+        commit = watcher.seen_at() - t0
+        store.wait()
+        async_rows.append({"save_call_s": call, "stall_s": call + first - normal,
+                           "background_overhead_s": overhead, "commit_s": commit})
+    store.close()
+
+    sync_store = CheckpointStore(work / "sync", async_save=False)
+    sync_store.save(step, state, context())
+    sync_rows = []
+    for _ in range(saves):
+        one_step()
+        t0 = time.perf_counter()
+        sync_store.save(step, state, context())
+        sync_rows.append(time.perf_counter() - t0)
+    sync_store.close()
+    loader.close()
+
+    def med(rows, key):
+        return statistics.median(r[key] for r in rows)
+
+    state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
+    shutil.rmtree(work, ignore_errors=True)  # several checkpoints of the bigger model: ~1 GB
+    return {
+        "config": config,
+        "overrides": overrides,
+        "params": count_params(state.params),
+        "state_bytes": state_bytes,
+        "devices": len(trainer.mesh.devices.flat),
+        "normal_step_s": normal,
+        "d2h_copy_s": statistics.median(d2h),
+        "async": {k: med(async_rows, k) for k in ("save_call_s", "stall_s", "background_overhead_s", "commit_s")},
+        "sync": {"stall_s": statistics.median(sync_rows)},
+        "async_stall_vs_d2h": med(async_rows, "stall_s") / statistics.median(d2h),
+        "sync_stall_vs_async_stall": statistics.median(sync_rows) / max(med(async_rows, "stall_s"), 1e-9),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", action="append", default=None,
+                        help="repeatable; default configs/tiny.yaml and configs/small.yaml")
+    parser.add_argument("--saves", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=4, help="steps measured for the normal step time")
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    args = parser.parse_args()
+    configs = args.config or [str(REPO / "configs" / "tiny.yaml"), str(REPO / "configs" / "small.yaml")]
+
+    import jax
+
+    from resilient_jax.config import load_config
+
+    # One process, one device count: every config must agree on parallel.devices.
+    devices = {load_config(c, args.overrides).parallel.devices for c in configs}
+    if len(devices) != 1:
+        sys.exit(f"configs disagree on parallel.devices ({sorted(devices)}); benchmark them one at a time")
+    if devices.pop() > 0:
+        jax.config.update("jax_num_cpu_devices", load_config(configs[0], args.overrides).parallel.devices)
+    results = [bench(c, args.overrides, args.saves, args.steps) for c in configs]
+    json.dump({"machine": {"platform": jax.devices()[0].platform, "devices": len(jax.devices())},
+               "results": results}, sys.stdout, indent=2)
+    print()
+
+
+if __name__ == "__main__":
+    main()
