@@ -58,6 +58,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         cfg = build_config(args)
+        if cfg.topology.regions:
+            # Several hosts: this process becomes the controller and never touches devices.
+            from resilient_jax.elastic.run import run_elastic
+
+            if args.resume or args.stop_at is not None or args.allow_config_change:
+                raise ConfigError("--resume/--stop-at/--allow-config-change apply to single-process runs; an "
+                                  "elastic run resumes automatically from the checkpoints in its run.dir")
+            from resilient_jax.elastic.controller import RunFailed
+
+            try:
+                summary = run_elastic(cfg)
+            except RunFailed as e:
+                print(f"error: the run failed: {e} (see {cfg.run.dir}/elastic/logs)", file=sys.stderr)
+                return 1
+            return 0 if summary.get("final_step") == cfg.train.steps else 1
         setup_devices(cfg)
         from resilient_jax.checkpoint.store import CheckpointSaveError
         from resilient_jax.data import DatasetError

@@ -191,32 +191,62 @@ class Trainer:
             records.append(QuarantineRecord(step=step, shard=shard, samples=samples))
         return records
 
-    # -- the run ------------------------------------------------------------------------------------
+    # -- states ------------------------------------------------------------------------------------
 
-    def run(self) -> dict[str, Any]:
-        cfg = self.cfg
-        start_wall = time.perf_counter()
-        if self.is_writer:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.json").write_text(
-                json.dumps({"config_hash": cfg.hash, "config": cfg.to_dict()}, indent=2, sort_keys=True)
-            )
-        ckpt = CheckpointSession(cfg, self.mesh, self.manifest.version, resume=self.resume,
-                                 allow_config_change=self.allow_config_change)
+    def fresh_state(self) -> state_lib.TrainState:
+        return state_lib.init_state(self.model_def, self.tx, self.mesh, self.cfg.train.seed)
+
+    def host_state_template(self) -> state_lib.TrainState:
+        """Zeros shaped like the state, in host memory (what a newcomer offers to a broadcast)."""
+        abstract = state_lib.abstract_state(self.model_def, self.tx, self.mesh)
+        return jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), abstract)
+
+    def state_from_host(self, host_state) -> state_lib.TrainState:
+        """Place a full host copy of the state onto this world's mesh with the state's shardings."""
+        return jax.tree.map(
+            lambda x, sharding: jax.make_array_from_callback(x.shape, sharding, lambda index: x[index]),
+            host_state, self.shardings,
+        )
+
+    def checkpoints(self, *, generation: int = 0, regions: dict[int, str] | None = None) -> CheckpointSession:
+        return CheckpointSession(self.cfg, self.mesh, self.manifest.version, resume=self.resume,
+                                 allow_config_change=self.allow_config_change, generation=generation,
+                                 regions=regions)
+
+    def restore(self, ckpt: CheckpointSession):
+        """The checkpoint to resume from (validated), or None; closes `ckpt` if that fails."""
         try:
-            resumed = ckpt.restore(state_lib.abstract_state(self.model_def, self.tx, self.mesh))
+            return ckpt.restore(state_lib.abstract_state(self.model_def, self.tx, self.mesh))
         except BaseException:
             ckpt.close()
             raise
+
+    def write_run_config(self) -> None:
+        if self.is_writer:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.json").write_text(
+                json.dumps({"config_hash": self.cfg.hash, "config": self.cfg.to_dict()}, indent=2, sort_keys=True)
+            )
+
+    def banner(self) -> str:
+        return (f"resilient_jax: config {self.cfg.hash} | dataset {self.manifest.version[:16]} | "
+                f"mesh {dict(self.mesh.shape)} | {self.plan.num_shards} virtual shards ({self.cfg.parallel.reduction})")
+
+    # -- the run ------------------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        """A single-world run: resume if there is a checkpoint, train to the end (or a stop), summarise."""
+        cfg = self.cfg
+        start_wall = time.perf_counter()
+        self.write_run_config()
+        ckpt = self.checkpoints()
+        resumed = self.restore(ckpt)
         start = resumed.step if resumed else 0
         # Steps after the checkpoint run again; keep one metrics record per step (see rewind_metrics).
         dropped = rewind_metrics(self.run_dir / "metrics.jsonl", start) if resumed and self.is_writer else 0
         log = MetricsLog(self.run_dir, cfg.train.steps, progress=cfg.run.progress, start_step=start,
                          enabled=self.is_writer)
-        log.console(
-            f"resilient_jax: config {cfg.hash} | dataset {self.manifest.version[:16]} | "
-            f"mesh {dict(self.mesh.shape)} | {self.plan.num_shards} virtual shards ({cfg.parallel.reduction})"
-        )
+        log.console(self.banner())
         if resumed:
             for event in resumed.decision.events(resumed.path):
                 log.event({**event, "dropped_metrics": dropped} if event["event"] == "resume" else event)
@@ -224,46 +254,27 @@ class Trainer:
                 log.console(f"warning: {warning}")
             state = resumed.state
         else:
-            state = state_lib.init_state(self.model_def, self.tx, self.mesh, cfg.train.seed)
-        totals = RunTotals()
-        tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
-        loader = self.open_loader(start_step=start, position=resumed.position if resumed else None)
+            state = self.fresh_state()
+        loop = StepLoop(self, log, RunTotals(), ckpt, start_step=start,
+                        position=resumed.position if resumed else None)
         end = cfg.train.steps if self.stop_at is None else min(self.stop_at, cfg.train.steps)
-        step = start - 1
+        step = start
         stopped = None
         try:
-            for step in range(start, end):
-                t0 = time.perf_counter()
-                result = self.compute_finite(state.params, loader, step, totals, log)
-                state, applied = self.apply(state, result.grads, np.int32(step))
-                loss = float(result.loss)
-                seconds = time.perf_counter() - t0
-                if step > 0:
-                    totals.steady_seconds += seconds
-                    totals.steady_steps += 1
-                if totals.first_loss is None:
-                    totals.first_loss = loss
-                totals.last_loss = loss
-                if step % cfg.train.log_every == 0 or step == cfg.train.steps - 1:
-                    log.log(step, {
-                        "loss": loss,
-                        "lr": float(applied.lr),
-                        "grad_norm": float(applied.grad_norm),
-                        "step_seconds": seconds,
-                        "tokens_per_s": tokens_per_step / seconds,
-                    })
-                log.advance()
-                if ckpt.after_step(step + 1, state, loader.position()):
+            while step < end:
+                state = loop.step(state, step)
+                step += 1
+                if loop.preempted:
                     stopped = "preempted"
                     break
             if stopped is None and end < cfg.train.steps:
                 stopped = "stop_at"
-            ckpt.finish(step + 1, state, loader.position())
+            ckpt.finish(step, state, loop.data_position())
         finally:
-            loader.close()
+            loop.close()
             ckpt.close()
-        summary = self._summary(state, totals, time.perf_counter() - start_wall, loader)
-        summary.update(final_step=step + 1, stopped=stopped, checkpoint=ckpt.summary(),
+        summary = self._summary(state, loop.totals, time.perf_counter() - start_wall, loop.data_position())
+        summary.update(final_step=step, stopped=stopped, checkpoint=ckpt.summary(),
                        resumed_from={"step": start, "path": str(resumed.path)} if resumed else None)
         if self.is_writer:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
@@ -276,7 +287,7 @@ class Trainer:
         log.close()
         return summary
 
-    def _summary(self, state, totals: RunTotals, wall: float, loader) -> dict[str, Any]:
+    def _summary(self, state, totals: RunTotals, wall: float, position) -> dict[str, Any]:
         cfg = self.cfg
         steady = totals.steady_seconds / max(totals.steady_steps, 1)
         return {
@@ -296,7 +307,60 @@ class Trainer:
             "faults_injected": [str(f) for f in self.faults],
             "quarantined_shards": sorted({q.shard for q in totals.quarantines}),
             "quarantine_events": [q.to_dict() for q in totals.quarantines],
-            "data_position": loader.position().to_dict(),
+            "data_position": position.to_dict(),
             "restarts": 0,
             "steps_lost": 0,
         }
+
+
+class StepLoop:
+    """One world's training loop state: this host's loader, metrics, running totals, checkpoints.
+
+    `step(state, k)` is one full step -- load, compute (quarantining NaN shards), apply, log, and
+    save if due -- and returns the new state. A collective failure raises out of `compute` before
+    `apply`, so the caller still holds the state after step k-1.
+    """
+
+    def __init__(self, trainer: Trainer, log: MetricsLog, totals: RunTotals, ckpt: CheckpointSession | None, *,
+                 start_step: int, position: data_lib.DataPosition | None = None):
+        self.trainer, self.log, self.totals, self.ckpt = trainer, log, totals, ckpt
+        self.loader = trainer.open_loader(start_step=start_step, position=position)
+        self.preempted = False
+        cfg = trainer.cfg
+        self.tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
+
+    def step(self, state, step: int):
+        cfg, totals = self.trainer.cfg, self.totals
+        t0 = time.perf_counter()
+        result = self.trainer.compute_finite(state.params, self.loader, step, totals, self.log)
+        state, applied = self.trainer.apply(state, result.grads, np.int32(step))
+        loss = float(result.loss)
+        seconds = time.perf_counter() - t0
+        if step > 0:
+            totals.steady_seconds += seconds
+            totals.steady_steps += 1
+        if totals.first_loss is None:
+            totals.first_loss = loss
+        totals.last_loss = loss
+        if step % cfg.train.log_every == 0 or step == cfg.train.steps - 1:
+            self.log.log(step, {
+                "loss": loss,
+                "lr": float(applied.lr),
+                "grad_norm": float(applied.grad_norm),
+                "step_seconds": seconds,
+                "tokens_per_s": self.tokens_per_step / seconds,
+            })
+        self.log.advance()
+        if self.ckpt is not None and self.ckpt.after_step(step + 1, state, self.loader.position()):
+            self.preempted = True
+        return state
+
+    def data_position(self) -> data_lib.DataPosition:
+        return self.loader.position()
+
+    def position_at(self, step: int) -> data_lib.DataPosition:
+        """The data position of a state that has completed `step` steps (the loader may be ahead)."""
+        return data_lib.DataPosition.at(self.loader.order, self.trainer.manifest.version, step)
+
+    def close(self) -> None:
+        self.loader.close()

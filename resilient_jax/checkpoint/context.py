@@ -60,13 +60,16 @@ def regions_of(cfg: Config) -> dict[int, str]:
 
 
 def build_context(cfg: Config, mesh, position: DataPosition, history: History | None = None, *,
-                  generation: int = 0) -> dict[str, dict[str, Any]]:
-    """The five context dicts for a checkpoint at `position.step`."""
+                  generation: int = 0, regions: dict[int, str] | None = None) -> dict[str, dict[str, Any]]:
+    """The five context dicts for a checkpoint at `position.step`. `regions` (process index ->
+    region) overrides the config's static layout; the elastic runtime passes the live one."""
     history = history or History()
     return {
         "rng": rng_field(cfg.train.seed, position.step),
         "data": position.to_dict(),
         "config": config_field(cfg, history.config),
-        "topology": build_topology(mesh, generation=generation, regions=regions_of(cfg), history=history.topology),
+        "topology": build_topology(mesh, generation=generation,
+                                   regions=regions if regions is not None else regions_of(cfg),
+                                   history=history.topology),
         "provenance": provenance_field(history.provenance),
     }

@@ -74,7 +74,7 @@ class SessionStats:
 class CheckpointSession:
     def __init__(self, cfg: Config, mesh, dataset_version: str, *, resume: str | None = None,
                  allow_config_change: Sequence[str] = (), clock: Callable[[], float] = time.monotonic,
-                 generation: int = 0):
+                 generation: int = 0, regions: dict[int, str] | None = None):
         import jax
 
         self.cfg = cfg
@@ -83,6 +83,7 @@ class CheckpointSession:
         self.resume = resume
         self.allow_config_change = list(allow_config_change)
         self.generation = generation
+        self.regions = regions
         self.root = checkpoint_root(cfg)
         self.policy = SavePolicy.from_config(cfg.checkpoint, clock)
         self.history = History()
@@ -144,7 +145,7 @@ class CheckpointSession:
             "rng": rng_field(self.cfg.train.seed, position.step),
             "data": {"dataset_version": self.dataset_version},
             "config": config_field(self.cfg),
-            "topology": build_topology(self.mesh, generation=self.generation, regions=regions_of(self.cfg)),
+            "topology": build_topology(self.mesh, generation=self.generation, regions=self.regions if self.regions is not None else regions_of(self.cfg)),
             "provenance": provenance_field(),
         }
         decision = check_resume(path, saved, current, self.allow_config_change)
@@ -196,7 +197,8 @@ class CheckpointSession:
         if self.store is None or step == self._last_saved or step in self.store.steps():
             return
         t0 = time.perf_counter()
-        context = build_context(self.cfg, self.mesh, position, self.history, generation=self.generation)
+        context = build_context(self.cfg, self.mesh, position, self.history, generation=self.generation,
+                                regions=self.regions)
         self.store.save(step, state, context)
         if wait:
             self.store.wait()

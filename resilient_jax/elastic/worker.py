@@ -31,6 +31,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 log = logging.getLogger("resilient_jax.worker")
 
 
@@ -94,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--devices", type=int, default=2)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.host} %(levelname)s %(message)s")
+    logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every save step at INFO
 
     from resilient_jax.config import from_dict
 
@@ -125,8 +128,13 @@ class Worker:
         self.client, self.heartbeat = client, heartbeat
         index = int(host[1:]) if host[1:].isdigit() else -1
         self.faults = HostFaults(faults_lib.parse_faults(cfg.faults), index, region, client, host)
+        from resilient_jax.trainer import RunTotals
+
         self.kept = HostState()
         self.generation = -1
+        self.totals = RunTotals()
+        self.metrics = None
+        self.started = time.perf_counter()
 
     def run(self) -> int:
         while True:
@@ -154,68 +162,105 @@ class Worker:
                 return None
 
     def _train_in(self, world: dict) -> str:
+        """Train in one world until the run finishes ("finished") or the world must change
+        ("failure" / "join"). Leaves the world before returning."""
         import jax
 
         from resilient_jax.elastic import transfer
         from resilient_jax.elastic import world as world_lib
-        from resilient_jax.trainer import Trainer
+        from resilient_jax.trainer import StepLoop, Trainer
 
         self.generation = world["generation"]
-        rank = world["members"].index(self.host)
-        world_lib.join(world["coordinator"], len(world["members"]), rank)
+        members = world["members"]
+        rank = members.index(self.host)
+        world_lib.join(world["coordinator"], len(members), rank)
         self.heartbeat.generation = self.generation
-        log.info("generation %d: rank %d of %d, resume at step %d", self.generation, rank, len(world["members"]),
+        log.info("generation %d: rank %d of %d, resume at step %d", self.generation, rank, len(members),
                  world["resume_step"])
-        trainer = Trainer(self.cfg, devices=jax.devices(), topology=_topology(world))
-        session = trainer.session(resume_step=world["resume_step"], data_position=world["data_position"])
+        trainer = Trainer(self.cfg, devices=jax.devices())
+        ckpt = trainer.checkpoints(generation=self.generation,
+                                   regions={i: world["regions"][h] for i, h in enumerate(members)})
+        loop = None
         try:
             if world["source"] is None:
-                state = trainer.fresh_state()
+                # A new run, or one resuming from the persistent checkpoint in run.dir.
+                resumed = trainer.restore(ckpt)
+                state = resumed.state if resumed else trainer.fresh_state()
+                start, position = (resumed.step, resumed.position) if resumed else (0, None)
             else:
-                source_rank = world["members"].index(world["source"])
+                # Everyone adopts the state of the member that completed the most steps: survivors
+                # from host memory, newcomers from that peer (not from disk).
                 template = self.kept.state if self.kept.state is not None else trainer.host_state_template()
+                source_rank = members.index(world["source"])
                 state = trainer.state_from_host(transfer.broadcast(template, is_source=rank == source_rank))
-            return self._steps(trainer, session, state, world)
+                start = world["resume_step"]
+                position = data_lib_position(world["data_position"])
+            loop = StepLoop(trainer, self._metrics(trainer, start), self.totals, ckpt, start_step=start,
+                            position=position)
+            return self._steps(trainer, loop, ckpt, state, start)
         finally:
-            session.close()
-            world_lib.leave()
+            if loop is not None:
+                loop.close()
+            world_lib.leave(before_reset=ckpt.close)
 
-    def _steps(self, trainer, session, state, world: dict) -> str:
+    def _steps(self, trainer, loop, ckpt, state, step: int) -> str:
         import jax
         from jax.experimental import multihost_utils
 
         from resilient_jax.elastic import transfer
 
         first = True
-        step = world["resume_step"]
         try:
             while step < self.cfg.train.steps:
                 self.faults.arm(step)
                 t0 = time.perf_counter()
-                state = session.step(state, step)
+                state = loop.step(state, step)
                 self.kept.completed_step = step
                 self.heartbeat.step, self.heartbeat.step_seconds = step, time.perf_counter() - t0
                 if first:
-                    self.client.call("/progress", retry_seconds=5, host=self.host, generation=self.generation, step=step)
+                    self.client.call("/progress", retry_seconds=5, host=self.host, generation=self.generation,
+                                     step=step)
                     first = False
                 step += 1
-                agreed = int(multihost_utils.process_allgather(jax.numpy.int32(self.heartbeat.join_signal)).max())
+                # Grow only when every member agrees, at the same step boundary.
+                agreed = int(multihost_utils.process_allgather(np.int32(self.heartbeat.join_signal)).max())
                 if agreed > self.generation and step < self.cfg.train.steps:
-                    self._keep(transfer.to_host(state), session)
+                    self._keep(transfer.to_host(state), loop)
                     return "join"
-            summary = session.finish(state)
+            ckpt.finish(step, state, loop.data_position())
+            summary = trainer._summary(state, self.totals, time.perf_counter() - self.started, loop.data_position())
+            summary["final_step"] = step
             if jax.process_index() == 0:
                 self.client.call("/done", retry_seconds=30, host=self.host, summary=summary)
             return "finished"
         except jax.errors.JaxRuntimeError as e:
             log.warning("step %d failed in generation %d: %s", step, self.generation, str(e).splitlines()[0][:200])
             # compute() never donates: `state` is still the state after step-1, on our devices.
-            self._keep(transfer.to_host(state), session)
+            self._keep(transfer.to_host(state), loop)
             return "failure"
 
-    def _keep(self, host_state, session) -> None:
+    def _keep(self, host_state, loop) -> None:
         self.kept.state = host_state
-        self.kept.data_position = session.data_position()
+        self.kept.data_position = loop.position_at(self.kept.completed_step + 1).to_dict()
+
+    def _metrics(self, trainer, start: int):
+        """Rank 0 of the current world writes the run's metrics; it keeps its log across worlds."""
+        import jax
+
+        from resilient_jax.metrics import MetricsLog
+
+        if jax.process_index() != 0:
+            return MetricsLog(trainer.run_dir, self.cfg.train.steps, enabled=False)
+        if self.metrics is None:
+            trainer.write_run_config()
+            self.metrics = MetricsLog(trainer.run_dir, self.cfg.train.steps, progress="plain", start_step=start)
+        return self.metrics
+
+
+def data_lib_position(d: dict | None):
+    from resilient_jax.data import DataPosition
+
+    return None if d is None else DataPosition.from_dict(d)
 
 
 def _topology(world: dict) -> dict:

@@ -66,11 +66,15 @@ def join(coordinator: str, num_processes: int, rank: int, *, init_timeout: int =
         coordinator, rank, init_timeout=init_timeout, heartbeat_timeout=heartbeat_timeout, use_compression=True,
     )
     state.client.connect()
+    # As jax.distributed.initialize does: checkpoint preemption handling syncs through it.
+    state.initialize_preemption_sync_manager()
 
 
-def leave() -> None:
+def leave(before_reset=None) -> None:
     """Shut the client down and drop the backend, so the next `join` starts clean.
 
+    `before_reset` runs between the two: the place to close an orbax CheckpointManager (before the
+    shutdown its commit barrier waits for dead peers; after the backend is gone it cannot finish).
     Device buffers do not survive this: copy what must be kept to host memory first.
     """
     import jax
@@ -83,6 +87,11 @@ def leave() -> None:
         from jax._src import distributed
 
         distributed.global_state.client = None
+    if before_reset is not None:
+        try:
+            before_reset()
+        except Exception as e:
+            log.warning("leaving the JAX world: %s", e)
     _clear_orbax_signalling_client()
     jax.extend.backend.clear_backends()
     gc.collect()
