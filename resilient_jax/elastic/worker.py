@@ -193,6 +193,8 @@ class Worker:
                 template = self.kept.state if self.kept.state is not None else trainer.host_state_template()
                 source_rank = members.index(world["source"])
                 state = trainer.state_from_host(transfer.broadcast(template, is_source=rank == source_rank))
+                log.info("adopted state from %s after step %d (%s)", world["source"], world["resume_step"] - 1,
+                         "own copy" if world["source"] == self.host else "from a peer, over the collective, not from disk")
                 start = world["resume_step"]
                 position = data_lib_position(world["data_position"])
             loop = StepLoop(trainer, self._metrics(trainer, start), self.totals, ckpt, start_step=start,

@@ -1,0 +1,120 @@
+"""Elastic runtime, end to end: real worker processes on 127.0.0.1, real SIGKILL/SIGSTOP.
+
+Every scenario must finish with restarts 0, steps lost 0 and -- in invariant mode -- the same
+params fingerprint as the fault-free run (which equals a single-process run of the same model).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import jax
+import pytest
+
+from resilient_jax.checkpoint import reader
+from resilient_jax.trainer import Trainer
+
+from conftest import REPO, read_summary, run_cli, tiny_config
+
+pytestmark = pytest.mark.slow
+
+STEPS = 60
+CPU4 = str(REPO / "configs" / "cpu-4host.yaml")
+CPU6 = str(REPO / "configs" / "cpu-6host-3region.yaml")
+
+
+def elastic_run(run_dir, config: str, *extra: str) -> dict:
+    proc = run_cli("resilient_jax.train", "--config", config, "--set", f"run.dir={run_dir}",
+                   "--set", f"train.steps={STEPS}", *extra, timeout=600)
+    assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}\n" + _logs(run_dir)
+    return read_summary(run_dir)
+
+
+def _logs(run_dir) -> str:
+    logs = sorted((run_dir / "elastic" / "logs").glob("*.log"))
+    return "\n".join(f"--- {p.name}\n{p.read_text()[-1500:]}" for p in logs)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, default_dataset):
+    """The fault-free trajectory, computed in one process on 8 devices (invariance makes it the same)."""
+    cfg = tiny_config(tmp_path_factory.mktemp("ref"), f"train.steps={STEPS}", "checkpoint.enabled=false")
+    return Trainer(cfg, devices=jax.devices()[:8]).run()["params_fingerprint"]
+
+
+def assert_absorbed(summary: dict, reference: str, *, lost: list[str], events: int = 1) -> None:
+    assert summary["final_step"] == STEPS
+    assert summary["restarts"] == 0 and summary["steps_lost"] == 0
+    assert summary["params_fingerprint"] == reference
+    failures = [e for e in summary["events"] if e["reason"] == "failure"]
+    assert len(failures) == events
+    assert sorted(h for e in failures for h in e["lost"]) == sorted(lost)
+    assert summary["failures_absorbed"] == len(lost)
+
+
+def test_fault_free_four_hosts_match_one_process(tmp_path, reference):
+    summary = elastic_run(tmp_path, CPU4)
+    assert summary["generations"] == 1 and summary["events"] == []
+    assert summary["params_fingerprint"] == reference
+    assert summary["processes"] == 4 and summary["mesh"]["data"] == 8
+
+
+def test_killed_host_is_absorbed_and_checkpoints_record_the_new_topology(tmp_path, reference):
+    summary = elastic_run(tmp_path, CPU4, "--fault", "kill_host:1@20")
+    assert_absorbed(summary, reference, lost=["h1"])
+    (event,) = summary["events"]
+    assert event["resume_step"] == 20 and event["detection_seconds"] is not None
+    assert summary["worker_exit_codes"]["h1"] == -9
+    # Checkpoints written after the fault (step 50, 60) carry the new world's topology.
+    context = reader.read_context(tmp_path / "checkpoints" / "60")
+    assert context["topology"]["generation"] == 1 and context["topology"]["process_count"] == 3
+    assert [h["region"] for h in context["topology"]["hosts"]] == ["us", "eu", "eu"]
+
+
+def test_killing_the_first_rank_is_absorbed(tmp_path, reference):
+    summary = elastic_run(tmp_path, CPU4, "--fault", "kill_host:0@20")
+    assert_absorbed(summary, reference, lost=["h0"])
+
+
+def test_a_lost_region_is_one_event(tmp_path, reference):
+    summary = elastic_run(tmp_path, CPU6, "--fault", "kill_region:eu@20")
+    assert_absorbed(summary, reference, lost=["h2", "h3"], events=1)
+    assert summary["generations"] == 2
+
+
+def test_a_hung_host_is_detected_and_removed(tmp_path, reference):
+    summary = elastic_run(tmp_path, CPU4, "--fault", "hang_host:2@20")
+    assert_absorbed(summary, reference, lost=["h2"])
+    assert summary["members"]["h2"]["status"] == "dead"
+
+
+def test_a_new_host_joins_and_gets_its_state_from_a_peer(tmp_path, reference):
+    three = "topology.regions=[{name: us, hosts: 2}, {name: eu, hosts: 1}]"
+    summary = elastic_run(tmp_path, CPU4, "--set", three, "--fault", "join_host@20")
+    assert summary["final_step"] == STEPS and summary["restarts"] == 0 and summary["steps_lost"] == 0
+    assert summary["params_fingerprint"] == reference
+    (event,) = summary["events"]
+    assert event["reason"] == "join" and event["joined"] == ["h3"]
+    log = (tmp_path / "elastic" / "logs" / "h3.log").read_text()
+    assert "adopted state from" in log and "from a peer" in log
+
+
+def test_status_command_shows_members_and_generation(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "resilient_jax.train", "--config", CPU4, "--set",
+                             f"run.dir={run_dir}", "--set", "train.steps=40"], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            status_file = run_dir / "elastic" / "status.json"
+            if status_file.exists() and json.loads(status_file.read_text())["step"] >= 1:
+                break
+            time.sleep(0.5)
+        out = run_cli("resilient_jax.elastic", "status", "--run", str(run_dir), check=True).stdout
+        assert "generation 0" in out and all(f"h{i}" in out for i in range(4))
+    finally:
+        proc.wait(timeout=300)
