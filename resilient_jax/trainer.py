@@ -208,6 +208,20 @@ class Trainer:
             host_state, self.shardings,
         )
 
+    def precompile(self, state: state_lib.TrainState) -> None:
+        """Compile compute and apply for this world without running them (no collective runs).
+
+        Members of a new world compile at different speeds; compiling first and then meeting at a
+        barrier keeps that skew out of the first collective, whose wait is bounded by a timeout.
+        """
+        batch = mesh_lib.batch_sharding(self.mesh)
+        rows, seq = self.plan.padded_rows, self.cfg.data.seq_len
+        tokens = jax.ShapeDtypeStruct((rows, seq + 1), np.int32, sharding=batch)
+        weights = jax.ShapeDtypeStruct((rows, seq), np.float32, sharding=batch)
+        grads = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state.params)
+        self.compute.lower(state.params, tokens, weights, np.int32(0)).compile()
+        self.apply.lower(state, grads, np.int32(0)).compile()
+
     def checkpoints(self, *, generation: int = 0, regions: dict[int, str] | None = None) -> CheckpointSession:
         return CheckpointSession(self.cfg, self.mesh, self.manifest.version, resume=self.resume,
                                  allow_config_change=self.allow_config_change, generation=generation,

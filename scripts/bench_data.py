@@ -7,7 +7,9 @@ data_cache/bench-default. Bare grain baselines, all given the loader's global id
 - `getitems`: ArrayRecordDataSource.__getitems__(ids) per batch + the same numpy decode;
 - `mapdataset`: MapDataset.source(ids).map(read + decode one record).batch(B), iterated through
   grain's own threaded IterDataset prefetch.
-The ratio is loader / best baseline (target >= 0.95). Prints one JSON object.
+The ratio is loader / best baseline (target >= 0.95). With --tiny-share it also trains
+configs/tiny.yaml for a few steps and reports the share of step time spent waiting for the loader
+(it must not be the bottleneck). Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -76,6 +78,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tiny-share", type=int, default=0, metavar="STEPS",
+                        help="also measure the loader's share of step time over STEPS steps of configs/tiny.yaml")
     args = parser.parse_args()
 
     manifest = load_manifest(args.dataset) if args.dataset else ensure_dataset(Path("data_cache/bench-default"))
@@ -100,7 +104,39 @@ def main() -> None:
         "repeats": args.repeats,
         "samples_per_s": {name: round(v) for name, v in best.items()},
         "ratio_loader_vs_best_bare_grain": round(best["loader"] / baseline, 3),
+        **({"tiny_loader_share_of_step_time": loader_share_on_tiny(args.tiny_share)} if args.tiny_share else {}),
     }, indent=1))
+
+
+def loader_share_on_tiny(steps: int) -> dict[str, float]:
+    """Seconds the training thread waits in next(loader) vs the whole step, on configs/tiny.yaml."""
+    import tempfile
+
+    from resilient_jax.config import load_config
+    from resilient_jax.train import setup_devices
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml",
+                      ["run.progress=quiet", f"run.dir={tempfile.mkdtemp(prefix='bench-data-')}"])
+    setup_devices(cfg)
+    from resilient_jax.trainer import Trainer
+
+    trainer = Trainer(cfg)
+    state = trainer.fresh_state()
+    waited = total = 0.0
+    with trainer.open_loader(start_step=0) as loader:
+        for step in range(steps):
+            t0 = time.perf_counter()
+            batch = next(loader)
+            t1 = time.perf_counter()
+            tokens, weights = trainer._place(batch, trainer.local_rows())
+            result = trainer.compute(state.params, tokens, weights, np.int32(step))
+            state, _ = trainer.apply(state, result.grads, np.int32(step))
+            float(result.loss)
+            if step >= 2:  # after compilation
+                waited += t1 - t0
+                total += time.perf_counter() - t0
+    return {"steps": steps - 2, "loader_wait_s": round(waited, 4), "step_s": round(total, 3),
+            "share": round(waited / total, 4)}
 
 
 if __name__ == "__main__":

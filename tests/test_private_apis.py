@@ -16,6 +16,7 @@ def test_distributed_runtime_service_and_client_factories():
     doc = _jax.get_distributed_runtime_service.__doc__ or ""
     assert "recoverable" in doc and "heartbeat_timeout" in doc, doc
     doc = _jax.get_distributed_runtime_client.__doc__ or ""
+    assert "wait_at_barrier" in dir(_jax.DistributedRuntimeClient)
     for name in ("node_id", "init_timeout", "heartbeat_timeout", "use_compression"):
         assert name in doc, f"get_distributed_runtime_client lost {name}: {doc}"
 

@@ -197,6 +197,8 @@ class Worker:
                          "own copy" if world["source"] == self.host else "from a peer, over the collective, not from disk")
                 start = world["resume_step"]
                 position = data_lib_position(world["data_position"])
+            trainer.precompile(state)
+            world_lib.barrier(f"compiled-{self.generation}", timeout_seconds=300)
             loop = StepLoop(trainer, self._metrics(trainer, start), self.totals, ckpt, start_step=start,
                             position=position)
             return self._steps(trainer, loop, ckpt, state, start)

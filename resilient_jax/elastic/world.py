@@ -9,6 +9,7 @@ death of process 0 aborts every survivor. Here the service lives in the controll
 Private APIs used (pinned jax==0.10.2; tests/test_private_apis.py fails loudly if they move):
   jax._src.lib._jax.get_distributed_runtime_service / get_distributed_runtime_client
   jax._src.distributed.global_state (.client, .process_id, .num_processes, .coordinator_address)
+  DistributedRuntimeClient.wait_at_barrier
 """
 
 from __future__ import annotations
@@ -68,6 +69,14 @@ def join(coordinator: str, num_processes: int, rank: int, *, init_timeout: int =
     state.client.connect()
     # As jax.distributed.initialize does: checkpoint preemption handling syncs through it.
     state.initialize_preemption_sync_manager()
+
+
+def barrier(name: str, timeout_seconds: float) -> None:
+    """Wait until every member reaches `name`, through the coordination service (not a collective,
+    so the wait is not bounded by the XLA collective timeout)."""
+    from jax._src import distributed
+
+    distributed.global_state.client.wait_at_barrier(name, int(timeout_seconds * 1000))
 
 
 def leave(before_reset=None) -> None:
