@@ -26,7 +26,6 @@ _SPECS = {
     "hang_host": (re.compile(r"^hang_host:(?P<target>\d+)@(?P<step>\d+)$"), "hang_host:HOST@STEP"),
     "join_host": (re.compile(r"^join_host@(?P<step>\d+)$"), "join_host@STEP"),
 }
-HOST_FAULTS = ("kill_host", "kill_region", "hang_host", "join_host")
 
 
 @dataclass(frozen=True)

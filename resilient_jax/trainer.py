@@ -287,7 +287,7 @@ class Trainer:
         finally:
             loop.close()
             ckpt.close()
-        summary = self._summary(state, loop.totals, time.perf_counter() - start_wall, loop.data_position())
+        summary = self.summarize(state, loop.totals, time.perf_counter() - start_wall, loop.data_position())
         summary.update(final_step=step, stopped=stopped, checkpoint=ckpt.summary(),
                        resumed_from={"step": start, "path": str(resumed.path)} if resumed else None)
         if self.is_writer:
@@ -301,7 +301,8 @@ class Trainer:
         log.close()
         return summary
 
-    def _summary(self, state, totals: RunTotals, wall: float, position) -> dict[str, Any]:
+    def summarize(self, state, totals: RunTotals, wall: float, position) -> dict[str, Any]:
+        """summary.json fields (collective when params span processes: call on every process)."""
         cfg = self.cfg
         steady = totals.steady_seconds / max(totals.steady_steps, 1)
         return {

@@ -180,7 +180,7 @@ class Controller:
             member.last_seen = time.monotonic()
             if self.world is not None and generation == self.world.generation:
                 if not self.reform_requests:
-                    self._event_detected(reason)
+                    self._detected_at = self._detected_at or time.monotonic()
                 self.reform_requests[host] = {"completed_step": completed_step, "data_position": data_position,
                                               "reason": reason}
                 self._lock.notify_all()
@@ -279,9 +279,6 @@ class Controller:
         if self.world is not None and self._count("registered") > 0:
             return self.world.generation + 1
         return 0
-
-    def _event_detected(self, reason: str) -> None:
-        self._detected_at = self._detected_at or time.monotonic()
 
     def _declare_dead(self, member: Member, why: str) -> None:
         log.warning("host %s declared dead: %s", member.host, why)

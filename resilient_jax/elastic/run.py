@@ -55,12 +55,10 @@ def run_elastic(cfg: Config) -> dict:
     config_path.write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True))
     token = cfg.runtime.token or os.environ.get("RESILIENT_JAX_TOKEN") or secrets.token_hex(16)
     plan = host_plan(cfg)
-    launcher_box: list[LocalLauncher] = []
-
     controller = Controller(
         config_hash=cfg.hash, expected_hosts=len(plan), run_dir=run_dir, bind=cfg.runtime.bind,
         port=cfg.runtime.port, token=token, dead_after_seconds=cfg.runtime.dead_after_seconds,
-        min_hosts=cfg.runtime.min_hosts, on_dead=lambda host: launcher_box[0].fence(host) if launcher_box else None,
+        min_hosts=cfg.runtime.min_hosts,
     )
     (run_dir / "elastic" / "controller.json").write_text(json.dumps({"url": controller.url, "pid": os.getpid()}))
 
@@ -71,7 +69,7 @@ def run_elastic(cfg: Config) -> dict:
     launcher = LocalLauncher(controller_url=controller.url, token=token, config_path=config_path,
                              log_dir=run_dir / "elastic" / "logs", on_exit=on_exit,
                              devices_per_host=cfg.topology.devices_per_host)
-    launcher_box.append(launcher)
+    controller.on_dead = launcher.fence  # a host declared dead must stay dead
     print(f"resilient_jax: controller {controller.url} | {len(plan)} hosts in "
           f"{len(cfg.topology.regions)} regions | config {cfg.hash}", flush=True)
     for host, region in plan:

@@ -196,7 +196,7 @@ class Worker:
                 log.info("adopted state from %s after step %d (%s)", world["source"], world["resume_step"] - 1,
                          "own copy" if world["source"] == self.host else "from a peer, over the collective, not from disk")
                 start = world["resume_step"]
-                position = data_lib_position(world["data_position"])
+                position = _position_from_dict(world["data_position"])
             trainer.precompile(state)
             world_lib.barrier(f"compiled-{self.generation}", timeout_seconds=300)
             loop = StepLoop(trainer, self._metrics(trainer, start), self.totals, ckpt, start_step=start,
@@ -232,7 +232,7 @@ class Worker:
                     self._keep(transfer.to_host(state), loop)
                     return "join"
             ckpt.finish(step, state, loop.data_position())
-            summary = trainer._summary(state, self.totals, time.perf_counter() - self.started, loop.data_position())
+            summary = trainer.summarize(state, self.totals, time.perf_counter() - self.started, loop.data_position())
             summary["final_step"] = step
             if jax.process_index() == 0:
                 self.client.call("/done", retry_seconds=30, host=self.host, summary=summary)
@@ -261,7 +261,7 @@ class Worker:
         return self.metrics
 
 
-def data_lib_position(d: dict | None):
+def _position_from_dict(d: dict | None):
     from resilient_jax.data import DataPosition
 
     return None if d is None else DataPosition.from_dict(d)
