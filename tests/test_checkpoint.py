@@ -79,7 +79,8 @@ def test_policy_rejects_negative_values():
 def _context(**changes):
     from resilient_jax.checkpoint.reader import json_sha256
 
-    config = {"train": {"seed": 0, "steps": 20}, "parallel": {"devices": 8}, "run": {"progress": "auto"}}
+    config = {"train": {"seed": 0, "steps": 20}, "parallel": {"devices": 8}, "run": {"progress": "auto"},
+              "optimizer": {"lr": 0.1}}
     for dotted, value in changes.pop("config", {}).items():
         section, key = dotted.split(".")
         config[section][key] = value
@@ -108,21 +109,26 @@ def test_resume_refuses_another_dataset_version():
 
 
 def test_resume_refuses_config_change_unless_every_key_is_named():
-    saved, current = _context(), _context(config={"train.steps": 40, "parallel.devices": 4})
-    with pytest.raises(CheckpointError, match=r"config: .* in parallel.devices, train.steps; .*"
-                                              r"--allow-config-change parallel.devices,train.steps"):
+    saved, current = _context(), _context(config={"train.steps": 40, "optimizer.lr": 0.5})
+    with pytest.raises(CheckpointError, match=r"config: .* in optimizer.lr, train.steps; .*"
+                                              r"--allow-config-change optimizer.lr,train.steps"):
         check_resume("ck", saved, current)
     with pytest.raises(CheckpointError, match="in train.steps"):
-        check_resume("ck", saved, current, ["parallel.devices"])
-    decision = check_resume("ck", saved, current, ["parallel.devices", "train.steps"])
-    assert decision.config_changes == ["parallel.devices", "train.steps"]
+        check_resume("ck", saved, current, ["optimizer.lr"])
+    decision = check_resume("ck", saved, current, ["optimizer.lr", "train.steps"])
+    assert decision.config_changes == ["optimizer.lr", "train.steps"]
     record = decision.history.config[-1]
-    assert record["from"] == {"parallel.devices": 8, "train.steps": 20} and record["to"]["train.steps"] == 40
+    assert record["from"]["train.steps"] == 20 and record["to"]["train.steps"] == 40
 
 
 def test_operational_config_keys_are_recorded_without_allowance():
     decision = check_resume("ck", _context(), _context(config={"run.progress": "quiet"}))
     assert decision.config_changes == ["run.progress"] and decision.history.config[-1]["allowed"] == []
+
+
+def test_layout_keys_are_a_topology_change_not_a_config_change():
+    decision = check_resume("ck", _context(), _context(config={"parallel.devices": 4}))
+    assert decision.config_changes == ["parallel.devices"] and decision.history.config[-1]["allowed"] == []
 
 
 def test_resume_refuses_another_prng_for_the_same_seed():

@@ -30,7 +30,11 @@ from resilient_jax.checkpoint.reader import CheckpointError
 from resilient_jax.config import Config, diff_keys
 
 # Config keys (or "section." prefixes) that never change the trajectory of a run.
-OPERATIONAL = ("run.", "checkpoint.", "train.log_every", "data.prefetch")
+# Layout keys (how many devices and hosts, how they are meshed, how the runtime watches them)
+# are a topology change, not a config change: the state is resharded onto the new mesh and the
+# change recorded in the topology field -- in invariant mode the trajectory does not move.
+LAYOUT = ("parallel.devices", "parallel.data", "parallel.fsdp", "parallel.tensor", "topology.", "runtime.")
+OPERATIONAL = ("run.", "checkpoint.", "train.log_every", "data.prefetch", *LAYOUT)
 
 
 def is_operational(key: str) -> bool:
