@@ -85,11 +85,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(str(e)) from None
         if summary.get("stopped") == "preempted":
             return PREEMPTED_EXIT
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     except ValueError as e:
-        # Start-up validation (mesh sizes, batch divisibility, ...) names the key in its message.
+        # ConfigError and start-up validation (mesh sizes, batch divisibility, ...) both name the
+        # key in their message; ConfigError is a ValueError.
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
