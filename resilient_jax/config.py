@@ -43,6 +43,12 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class ShardQuarantine:
+    shard: int = 0
+    from_step: int = 0
+
+
+@dataclass(frozen=True)
 class DataConfig:
     """Where samples come from. `dataset: ""` builds the default dataset in the cache on first use."""
 
@@ -54,6 +60,9 @@ class DataConfig:
     global_batch: int = 48
     # Batches loaded ahead of the step; a bounded queue, so a slow step applies backpressure.
     prefetch: int = 2
+    # Shards known to be bad, left out of the global order from `from_step` on -- exactly what the
+    # automatic NaN quarantine does, declared up front (e.g. [{shard: 3, from_step: 13}]).
+    quarantine: list[ShardQuarantine] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -129,6 +138,8 @@ class CheckpointConfig:
 class RegionConfig:
     name: str = "local"
     hosts: int = 1
+    # Spare hosts: registered and warm, outside the world until one replaces a straggler or a lost host.
+    spares: int = 0
 
 
 @dataclass(frozen=True)
@@ -145,19 +156,33 @@ class TopologyConfig:
 
 @dataclass(frozen=True)
 class RuntimeConfig:
-    """The elastic runtime: controller address, liveness and failure-detection timing."""
+    """The elastic runtime: launcher, controller address, liveness, stall and straggler policy."""
 
-    launcher: Literal["local"] = "local"
+    # local: one worker subprocess per host on this machine; ray: one worker per node of a Ray cluster.
+    launcher: Literal["local", "ray"] = "local"
+    # Ray only: "" starts a private Ray instance on this machine; "auto" (or host:port) attaches to a cluster.
+    ray_address: str = ""
     # The controller's control channel. Bound to loopback by default; any other address requires
     # a token (here or in $RESILIENT_JAX_TOKEN).
     bind: str = "127.0.0.1"
     port: int = 0
     token: str = ""
     heartbeat_seconds: float = 0.5
-    # A host silent for this long is declared dead (and fenced with SIGKILL by the launcher).
+    # Liveness: a host whose heartbeats stop for this long is declared dead (and fenced); the
+    # controller then aborts the world's in-flight collectives. Heartbeats run on their own thread,
+    # so a slow step or a network spike does not stop them.
     dead_after_seconds: float = 6.0
-    # A collective that waits longer than this raises in the survivors (XLA CPU collective timeout).
-    collective_timeout_seconds: int = 5
+    # Backstop only: a collective still blocked after this long raises even if every host is alive.
+    # Failures are detected by liveness, so this is the longest spike that is waited out.
+    collective_timeout_seconds: int = 120
+    # Stall deadline = max(stall_floor_seconds, stall_multiple x p95 of recent step times). A step
+    # past it is reported to the controller, which decides: all members alive -> wait (backpressure).
+    stall_floor_seconds: float = 2.0
+    stall_multiple: float = 10.0
+    # A host whose own step time is >= straggler_factor x the others' (median over straggler_window
+    # steps) is reslotted: replaced by a spare, or removed when the run is predicted faster without it.
+    straggler_factor: float = 1.5
+    straggler_window: int = 10
     # Fewer live hosts than this ends the run with an error instead of continuing.
     min_hosts: int = 1
 

@@ -6,6 +6,8 @@ Spec grammar (one string per fault):
     kill_region:R@STEP        SIGKILL every host of region R at once during step STEP
     hang_host:H@STEP          SIGSTOP host H during step STEP (it stops answering, it does not exit)
     join_host@STEP            start one more host once the run reaches step STEP
+    delay_host:H@A-B:SECONDS  a latency spike: host H enters each of steps A..B SECONDS late
+    slow_host:H@STEP:FACTOR   a persistent straggler: from STEP on, host H takes FACTOR x its own step time
 
 Host faults are fired by the worker process itself, at the exact step, from a timer thread so
 that the death lands inside the step's collectives. Every injected fault is reported in
@@ -25,6 +27,10 @@ _SPECS = {
     "kill_region": (re.compile(r"^kill_region:(?P<target>[\w.-]+)@(?P<step>\d+)$"), "kill_region:REGION@STEP"),
     "hang_host": (re.compile(r"^hang_host:(?P<target>\d+)@(?P<step>\d+)$"), "hang_host:HOST@STEP"),
     "join_host": (re.compile(r"^join_host@(?P<step>\d+)$"), "join_host@STEP"),
+    "delay_host": (re.compile(r"^delay_host:(?P<target>\d+)@(?P<step>\d+)-(?P<until>\d+):(?P<amount>\d+(\.\d*)?)$"),
+                   "delay_host:HOST@FIRST-LAST:SECONDS"),
+    "slow_host": (re.compile(r"^slow_host:(?P<target>\d+)@(?P<step>\d+):(?P<amount>\d+(\.\d*)?)$"),
+                  "slow_host:HOST@STEP:FACTOR"),
 }
 
 
@@ -33,9 +39,22 @@ class Fault:
     kind: str
     target: str | None
     step: int
+    until: int | None = None  # delay_host: last delayed step
+    amount: float | None = None  # delay_host: seconds per step; slow_host: factor
 
     def __str__(self) -> str:
-        return f"{self.kind}{'' if self.target is None else ':' + self.target}@{self.step}"
+        text = f"{self.kind}{'' if self.target is None else ':' + self.target}@{self.step}"
+        if self.until is not None:
+            text += f"-{self.until}"
+        return text if self.amount is None else f"{text}:{self.amount:g}"
+
+    def delay_before(self, step: int, own_step_seconds: float) -> float:
+        """Seconds this host waits before entering `step` (delay_host / slow_host)."""
+        if self.kind == "delay_host" and self.step <= step <= self.until:
+            return self.amount
+        if self.kind == "slow_host" and step >= self.step:
+            return (self.amount - 1.0) * own_step_seconds
+        return 0.0
 
 
 def parse_fault(spec: str) -> Fault:
@@ -47,7 +66,15 @@ def parse_fault(spec: str) -> Fault:
     match = pattern.match(spec.strip())
     if not match:
         raise ConfigError(f"fault {spec!r}: expected {usage}")
-    return Fault(kind=kind, target=match.groupdict().get("target"), step=int(match["step"]))
+    groups = match.groupdict()
+    fault = Fault(kind=kind, target=groups.get("target"), step=int(match["step"]),
+                  until=int(groups["until"]) if groups.get("until") else None,
+                  amount=float(groups["amount"]) if groups.get("amount") else None)
+    if fault.until is not None and fault.until < fault.step:
+        raise ConfigError(f"fault {spec!r}: the last delayed step {fault.until} is before the first {fault.step}")
+    if fault.kind == "slow_host" and fault.amount <= 1.0:
+        raise ConfigError(f"fault {spec!r}: FACTOR must be > 1 (a straggler is slower than the rest)")
+    return fault
 
 
 def parse_faults(specs: list[str]) -> list[Fault]:

@@ -148,7 +148,8 @@ class Trainer:
             global_batch=self.cfg.data.global_batch,
             rows=real_rows if real_rows[1] > real_rows[0] else None,
             start_step=start_step,
-            quarantine=quarantine,
+            quarantine=tuple(quarantine) + tuple(data_lib.QuarantineEvent(q.shard, q.from_step)
+                                                 for q in self.cfg.data.quarantine),
             prefetch=self.cfg.data.prefetch,
             poison=faults_lib.nan_shard_poison(self.faults),
         )

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
 from resilient_jax.elastic.channel import ControllerClient, ControllerError, check_bind
@@ -62,3 +65,62 @@ def test_a_silent_host_is_declared_dead_and_survivors_get_the_next_world(control
     assert controller.members["h1"].status == "dead"
     (event,) = controller.elastic_report()["events"]
     assert event["lost"] == ["h1"] and event["steps_lost"] == 0
+
+
+def _heartbeat(client, host, generation=0, step=0, **kw):
+    return client.call("/heartbeat", host=host, generation=generation, step=step, **kw)
+
+
+def test_a_stall_with_every_member_alive_is_waited_out_and_a_dead_member_aborts_the_world(tmp_path):
+    ctl = Controller(config_hash="a" * 64, expected_hosts=2, run_dir=tmp_path, token="t", dead_after_seconds=60)
+    try:
+        client = ControllerClient(ctl.url, "t")
+        for host in ("h0", "h1"):
+            client.call("/register", host=host, region="us", devices=2, config_hash="a" * 64)
+        reply = _heartbeat(client, "h0", step=9, stalled_seconds=4.5, deadline_seconds=2.0,
+                           timings=[[9, 0.01, 0.2, 0.0]])
+        assert reply == {"reform_signal": 0, "abort": False}  # backpressure: keep waiting
+        (stall,) = ctl.elastic_report()["stalls"]
+        assert stall["step"] == 10 and stall["deadline_seconds"] == 2.0 and "all 2 members alive" in stall["response"]
+        assert ctl.world.generation == 0
+        ctl.mark_dead("h1", "process exited with code -9")
+        assert _heartbeat(client, "h0", step=9, stalled_seconds=5.0, deadline_seconds=2.0)["abort"] is True
+        assert len(ctl.elastic_report()["stalls"]) == 1  # a dead member is not a stall
+    finally:
+        ctl.close()
+
+
+def _steady_timings(step, ready):
+    return [[step, ready, 0.1, 0.0]]
+
+
+def test_a_straggler_is_replaced_by_a_spare_at_a_step_boundary(tmp_path):
+    ctl = Controller(config_hash="a" * 64, expected_hosts=3, run_dir=tmp_path, token="t", dead_after_seconds=60,
+                     total_steps=100, straggler_factor=1.5, straggler_window=5)
+    try:
+        client = ControllerClient(ctl.url, "t")
+        for host in ("h0", "h1", "h2"):
+            client.call("/register", host=host, region="us", devices=2, config_hash="a" * 64)
+        client.call("/register", host="h3", region="us", devices=2, config_hash="a" * 64, spare=True)
+        assert ctl.world.members == ("h0", "h1", "h2") and ctl.members["h3"].status == "spare"
+        for step in range(1, 8):
+            for host in ("h0", "h1", "h2"):
+                _heartbeat(client, host, step=step, timings=_steady_timings(step, 0.5 if host == "h1" else 0.01))
+        deadline = time.monotonic() + 5  # the controller's monitor judges timings every 50 ms
+        while _heartbeat(client, "h0", step=7)["reform_signal"] != 1:  # change the world at the next boundary
+            assert time.monotonic() < deadline, "the straggler was not acted on"
+            time.sleep(0.05)
+        replies = {}
+        threads = [threading.Thread(target=lambda h=h: replies.__setitem__(h, client.call(
+            "/reform", host=h, generation=0, completed_step=7, data_position={"step": 8}, reason="change")))
+            for h in ("h0", "h1", "h2")]
+        [t.start() for t in threads]
+        [t.join(30) for t in threads]
+        world = replies["h0"]["world"]
+        assert world["members"] == ["h0", "h2", "h3"] and world["resume_step"] == 8 and world["source"] == "h0"
+        assert replies["h1"] == {"evicted": True}
+        (event,) = ctl.elastic_report()["events"]
+        assert event["reason"] == "reslot" and event["reslotted"] == ["h1"] and event["joined"] == ["h3"]
+        assert event["decision"]["action"] == "replace" and event["decision"]["ratio"] >= 1.5
+    finally:
+        ctl.close()

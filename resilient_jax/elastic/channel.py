@@ -16,6 +16,7 @@ import socket
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -116,6 +117,7 @@ def serve(target: Any, bind: str, port: int, token: str) -> ThreadingHTTPServer:
 class ControllerClient:
     def __init__(self, url: str, token: str = "", *, timeout: float = 30.0):
         self.url = url.rstrip("/")
+        self.port = urllib.parse.urlsplit(self.url).port
         self.token = token
         self.timeout = timeout
 

@@ -2,8 +2,9 @@
 
 Workers talk to it over a small JSON-over-HTTP API (stdlib `http.server`, see `channel`):
 
-    POST /register  {host, region, devices, config_hash}   -> {accepted, run_started}
-    POST /heartbeat {host, generation, step, step_seconds}  -> {join_signal}
+    POST /register  {host, region, devices, config_hash, spare} -> {accepted, run_started}
+    POST /heartbeat {host, generation, step, step_seconds, stalled_seconds, deadline_seconds, timings}
+                                                            -> {reform_signal, abort}
     POST /world     {host, after}                           -> the first world newer than `after`
     POST /reform    {host, generation, completed_step, data_position, reason} -> the next world
     POST /fault     {host, kind, step}                       (an injector announces a fault it fires)
@@ -17,6 +18,15 @@ process exits, or it is silent for `dead_after_seconds`) or when registered newc
 the members agree to grow. All live members of world g ask for world g+1 (`/reform`), reporting
 the last step they completed; world g+1 resumes at max(completed) + 1 from a member that
 completed it, so a fault costs zero steps.
+
+Failures are detected by liveness, never by a collective timing out: a member whose process exits,
+or whose heartbeats (sent from their own thread, so a slow step does not stop them) stop for
+`dead_after_seconds`, is declared dead, fenced, and every heartbeat reply to its world says
+`abort` -- the workers then abort their in-flight collectives and re-form. A step that runs past a
+worker's adaptive stall deadline is reported; with every member alive the verdict is to wait
+(backpressure), and the stall is recorded with its numbers. Per-step timings in the heartbeats
+feed the straggler check (`stragglers`), whose decisions reslot a host at a step boundary through
+the same agreement as growth (`reform_signal`).
 """
 
 from __future__ import annotations
@@ -29,7 +39,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from resilient_jax.elastic import channel
+from resilient_jax.elastic import channel, stragglers
 from resilient_jax.elastic.world import CoordinationService
 
 log = logging.getLogger(__name__)
@@ -40,7 +50,7 @@ class Member:
     host: str
     region: str
     devices: int
-    status: str = "registered"  # registered -> active -> dead | done
+    status: str = "registered"  # registered | spare -> active -> dead | reslotted | done
     last_seen: float = field(default_factory=time.monotonic)
     step: int = -1
     generation: int = -1
@@ -75,6 +85,8 @@ class GenerationEvent:
     first_step_at: float | None = None
     resume_step: int = 0
     steps_lost: int = 0
+    reslotted: list[str] = field(default_factory=list)
+    decision: dict | None = None  # the straggler decision behind a reslot, with its numbers
 
     def report(self) -> dict[str, Any]:
         origin = self.fault_at if self.fault_at is not None else self.detected_at
@@ -91,6 +103,29 @@ class GenerationEvent:
             else round(self.formed_at - self.detected_at, 3),
             "recovery_seconds": since(self.first_step_at),
             "steps_lost": self.steps_lost,
+            "reslotted": self.reslotted,
+            "decision": self.decision,
+        }
+
+
+@dataclass
+class Stall:
+    """A step that ran past a worker's stall deadline while every member was alive: waited out."""
+
+    generation: int
+    step: int
+    deadline_seconds: float
+    reported_by: set[str]
+    longest_wait_seconds: float  # the longest in-step time a heartbeat reported
+    alive: int
+
+    def report(self, timings: dict[str, "stragglers.StepTiming"] | None) -> dict[str, Any]:
+        late = max(timings, key=lambda h: timings[h].ready) if timings else None
+        return {
+            "generation": self.generation, "step": self.step, "deadline_seconds": round(self.deadline_seconds, 3),
+            "waited_seconds": round(max([self.longest_wait_seconds] + [t.step for t in (timings or {}).values()]), 3),
+            "late_host": late, "late_by_seconds": round(timings[late].ready, 3) if late else None,
+            "response": f"waited: all {self.alive} members alive (backpressure, no failure declared)",
         }
 
 
@@ -101,6 +136,7 @@ class RunFailed(RuntimeError):
 class Controller:
     def __init__(self, *, config_hash: str, expected_hosts: int, run_dir: Path, bind: str = "127.0.0.1",
                  port: int = 0, token: str = "", dead_after_seconds: float = 6.0, min_hosts: int = 1,
+                 total_steps: int = 0, straggler_factor: float = 1.5, straggler_window: int = 10,
                  on_dead: Callable[[str], None] | None = None):
         channel.check_bind(bind, token)
         self.config_hash = config_hash
@@ -110,6 +146,9 @@ class Controller:
         self.token = token
         self.dead_after = dead_after_seconds
         self.min_hosts = min_hosts
+        self.total_steps = total_steps
+        self.straggler_factor, self.straggler_window = straggler_factor, straggler_window
+        self.started = time.monotonic()
         self.on_dead = on_dead or (lambda host: None)
         self.members: dict[str, Member] = {}
         self.world: World | None = None
@@ -117,6 +156,16 @@ class Controller:
         self.events: list[GenerationEvent] = []
         self.reform_requests: dict[str, dict] = {}
         self.pending_fault_at: float | None = None
+        self.announced: list[dict] = []  # every injected fault a worker announced
+        self.broken: set[int] = set()  # generations with a dead member: their collectives must abort
+        self.timings: dict[int, dict[int, dict[str, stragglers.StepTiming]]] = {}  # generation -> step -> host
+        self.timeline: list[dict] = []  # per host and step, for plots
+        self.stalls: dict[tuple[int, int], Stall] = {}
+        self.pending_change: stragglers.Decision | None = None
+        self.decisions: list[dict] = []
+        # Restarts, counted not assumed: a host process that registers again under its old id, or a
+        # world after the first that had to resume from disk instead of from a member's memory.
+        self.restarts = 0
         self._detected_at: float | None = None  # when the pending generation change was first noticed
         self.summary: dict | None = None
         self.error: str | None = None
@@ -130,29 +179,40 @@ class Controller:
 
     # -- API handlers (called by channel on the server's threads) ----------------------------------
 
-    def register(self, host: str, region: str, devices: int, config_hash: str) -> dict:
+    def register(self, host: str, region: str, devices: int, config_hash: str, spare: bool = False) -> dict:
         if config_hash != self.config_hash:
             raise channel.Refused(
                 409, f"worker {host} runs config {config_hash[:16]}..., this run is {self.config_hash[:16]}...; "
                      "start it with the run's config")
         with self._lock:
             existing = self.members.get(host)
-            if existing is not None and existing.status in ("registered", "active"):
+            if existing is not None and existing.status in ("registered", "spare", "active"):
                 raise channel.Refused(409, f"host {host} is already a member; pick another host id")
-            self.members[host] = Member(host=host, region=region, devices=devices)
-            log.info("registered %s (%s, %d devices)", host, region, devices)
+            if existing is not None:
+                self.restarts += 1
+            self.members[host] = Member(host=host, region=region, devices=devices,
+                                        status="spare" if spare else "registered")
+            log.info("registered %s (%s, %d devices%s)", host, region, devices, ", spare" if spare else "")
             if self.world is None and self._count("registered") >= self.expected_hosts:
                 self._form(reason="start", resume_step=0, source=None, data_position=None, lost=[])
             self._lock.notify_all()
             self._write_status()
             return {"accepted": True, "run_started": self.world is not None}
 
-    def heartbeat(self, host: str, generation: int, step: int, step_seconds: float = 0.0) -> dict:
+    def heartbeat(self, host: str, generation: int, step: int, step_seconds: float = 0.0,
+                  stalled_seconds: float = 0.0, deadline_seconds: float = 0.0, timings: list | None = None) -> dict:
         with self._lock:
             member = self._member(host)
             member.last_seen = time.monotonic()
             member.step, member.generation, member.step_seconds = step, generation, step_seconds
-            return {"join_signal": self._join_signal()}
+            for k, ready, seconds, wall in timings or ():
+                self.timings.setdefault(generation, {}).setdefault(k, {})[host] = stragglers.StepTiming(ready, seconds)
+                self.timeline.append({"host": host, "generation": generation, "step": k, "wall": wall,
+                                      "ready_seconds": ready, "step_seconds": seconds})
+            abort = generation in self.broken
+            if stalled_seconds > 0 and not abort and self.world is not None and generation == self.world.generation:
+                self._record_stall(host, step + 1, stalled_seconds, deadline_seconds)
+            return {"reform_signal": self._reform_signal(), "abort": abort}
 
     def wait_world(self, host: str, after: int, timeout: float = 20.0) -> dict:
         deadline = time.monotonic() + timeout
@@ -164,7 +224,7 @@ class Controller:
                 if self.world is not None and self.world.generation > after:
                     if host in self.world.members:
                         return {"world": self.world.to_dict()}
-                    if self.members[host].status == "dead":
+                    if self.members[host].status in ("dead", "reslotted"):
                         return {"evicted": True}
                 if self.summary is not None:
                     return {"finished": True}
@@ -188,7 +248,8 @@ class Controller:
 
     def fault(self, host: str, kind: str, step: int) -> dict:
         with self._lock:
-            if self.pending_fault_at is None:
+            self.announced.append({"host": host, "kind": kind, "step": step, "at": time.monotonic()})
+            if self.pending_fault_at is None and kind in ("kill_host", "hang_host", "kill_region"):
                 self.pending_fault_at = time.monotonic()
             log.info("fault announced by %s: %s at step %d", host, kind, step)
         return {}
@@ -242,6 +303,8 @@ class Controller:
             self._write_status()
 
     def close(self) -> None:
+        with self._lock:  # per-host step timings, for the chaos drill's plots
+            (self.run_dir / "elastic" / "timeline.json").write_text(json.dumps(self.timeline))
         self._stop.set()
         self.server.shutdown()
         self.server.server_close()
@@ -254,7 +317,12 @@ class Controller:
         with self._lock:
             failures = [e for e in self.events if e.reason == "failure"]
             return {
-                "restarts": 0,
+                "stalls": [s.report(self.timings.get(s.generation, {}).get(s.step))
+                           for s in sorted(self.stalls.values(), key=lambda s: (s.generation, s.step))],
+                "straggler_decisions": self.decisions,
+                "straggler_window": self.straggler_window,
+                "injected": [{k: v for k, v in a.items() if k != "at"} for a in self.announced],
+                "restarts": self.restarts,
                 "generations": (self.world.generation + 1) if self.world else 0,
                 "failures_absorbed": sum(len(e.lost) for e in failures),
                 "fault_events": len(failures),
@@ -274,18 +342,62 @@ class Controller:
     def _count(self, status: str) -> int:
         return sum(1 for m in self.members.values() if m.status == status)
 
-    def _join_signal(self) -> int:
-        """Non-zero (the next generation) while newcomers wait to join a running world."""
-        if self.world is not None and self._count("registered") > 0:
+    def _reform_signal(self) -> int:
+        """Non-zero (the next generation) while the world should change at the next step boundary:
+        newcomers wait to join, or a straggler is to be reslotted."""
+        if self.world is not None and (self._count("registered") > 0 or self.pending_change is not None):
             return self.world.generation + 1
         return 0
+
+    def _record_stall(self, host: str, step: int, waited: float, deadline: float) -> None:
+        world = self.world
+        stall = self.stalls.get((world.generation, step))
+        if stall is None:
+            alive = sum(1 for h in world.members if self.members[h].status == "active")
+            stall = self.stalls[(world.generation, step)] = Stall(world.generation, step, deadline, set(), 0.0, alive)
+            log.info("step %d stalled %.1f s on %s (deadline %.2f s): all %d members alive -> waiting (backpressure)",
+                     step, waited, host, deadline, alive)
+        stall.reported_by.add(host)
+        stall.longest_wait_seconds = max(stall.longest_wait_seconds, waited)
+
+    def _check_stragglers(self) -> None:
+        world = self.world
+        if (world is None or self.pending_change is not None or self.reform_requests or self.summary is not None
+                or world.generation in self.broken):
+            return
+        members = list(world.members)
+        window = self.timings.get(world.generation, {})
+        # The first step of a world carries its warm-up; judge steady steps only.
+        steady = {k: v for k, v in window.items() if k > world.resume_step}
+        found = stragglers.find_straggler(steady, members, factor=self.straggler_factor, steps=self.straggler_window)
+        if found is None:
+            return
+        formed = self.events[-1] if self.events else None
+        reform_seconds = (formed.first_step_at - formed.formed_at) if formed and formed.first_step_at else 0.0
+        spares = sorted((h for h, m in self.members.items() if m.status == "spare"),
+                        key=lambda h: (self.members[h].region != world.regions[found.host], h))
+        step_now = max(self.members[h].step for h in members)
+        decision = stragglers.decide(found, members=members, spares=spares,
+                                     remaining_steps=max(0, self.total_steps - step_now - 1),
+                                     reform_seconds=reform_seconds, min_hosts=self.min_hosts)
+        record = {**decision.to_dict(), "generation": world.generation, "at_step": step_now}
+        if self.decisions and self.decisions[-1]["generation"] == world.generation and decision.action == "keep":
+            return  # already judged in this world; "keep" stands until the world changes
+        self.decisions.append(record)
+        log.warning("straggler %s: %s -- %s", found.host, decision.action, decision.reason)
+        if decision.action != "keep":
+            self.pending_change = decision
+            self._detected_at = self._detected_at or time.monotonic()
+        self._write_status()
 
     def _declare_dead(self, member: Member, why: str) -> None:
         log.warning("host %s declared dead: %s", member.host, why)
         was_active = member.status == "active"
         member.status = "dead"
-        if was_active and self._detected_at is None:
-            self._detected_at = time.monotonic()
+        if was_active:
+            self._detected_at = self._detected_at or time.monotonic()
+            if self.world is not None and member.host in self.world.members:
+                self.broken.add(self.world.generation)  # its peers' collectives must not wait for it
         self.on_dead(member.host)
         self._lock.notify_all()
         self._write_status()
@@ -295,8 +407,9 @@ class Controller:
             with self._lock:
                 now = time.monotonic()
                 for member in self.members.values():
-                    if member.status in ("registered", "active") and now - member.last_seen > self.dead_after:
+                    if member.status in ("registered", "spare", "active") and now - member.last_seen > self.dead_after:
                         self._declare_dead(member, f"silent for {now - member.last_seen:.1f} s")
+                self._check_stragglers()
                 self._maybe_reform()
             time.sleep(0.05)
 
@@ -314,16 +427,37 @@ class Controller:
             self.fail(f"only {len(live)} hosts left ({', '.join(live) or 'none'}); runtime.min_hosts is "
                       f"{self.min_hosts}")
             return
+        change, self.pending_change = self.pending_change, None
+        evicted = [change.straggler.host] if change is not None and change.straggler.host in live else []
         completed = {h: self.reform_requests[h]["completed_step"] for h in live}
         best = max(completed.values())
-        source = min((h for h in live if completed[h] == best), key=world.members.index)
-        reason = "failure" if lost else "join"
+        source = min((h for h in live if completed[h] == best and h not in evicted), key=world.members.index)
+        if lost:
+            reason = "failure"
+        elif evicted:
+            reason = "reslot"
+        elif self._count("registered"):
+            reason = "join"
+        else:  # every member alive and asking: a collective hit the backstop timeout
+            reason = "collective-timeout"
+        for host in evicted:
+            self.members[host].status = "reslotted"
+        # Spares take the slots of lost hosts, and of a straggler when the decision names one.
+        wanted = len(lost) + (1 if change is not None and change.action == "replace" else 0)
+        promoted = [h for h in ([change.spare] if change is not None and change.spare else []) +
+                    sorted(h for h, m in self.members.items() if m.status == "spare")
+                    if self.members[h].status == "spare"][:wanted]
+        for host in promoted:
+            self.members[host].status = "registered"
         self._form(reason=reason, resume_step=best + 1, source=source,
-                   data_position=self.reform_requests[source]["data_position"], lost=lost)
+                   data_position=self.reform_requests[source]["data_position"], lost=lost, reslotted=evicted,
+                   decision=change.to_dict() if change is not None else None)
 
     def _form(self, *, reason: str, resume_step: int, source: str | None, data_position: dict | None,
-              lost: list[str]) -> None:
+              lost: list[str], reslotted: list[str] | None = None, decision: dict | None = None) -> None:
         generation = 0 if self.world is None else self.world.generation + 1
+        if generation > 0 and source is None:
+            self.restarts += 1
         old = [] if self.world is None else [h for h in self.world.members if self.members[h].status == "active"]
         joiners = sorted(h for h, m in self.members.items() if m.status == "registered")
         members = tuple(old + joiners)
@@ -342,9 +476,13 @@ class Controller:
         )
         now = time.monotonic()
         detected = self._detected_at or now
+        fault_at = self.pending_fault_at
+        if reslotted:  # a reslot's "fault" began when the straggler was slowed down, if it was injected
+            fault_at = next((a["at"] for a in self.announced if a["host"] in reslotted and a["kind"] == "slow_host"),
+                            None)
         event = GenerationEvent(generation=generation, reason=reason, lost=lost, joined=joiners if old else [],
-                                fault_at=self.pending_fault_at, detected_at=detected, formed_at=now,
-                                resume_step=resume_step)
+                                fault_at=fault_at, detected_at=detected, formed_at=now,
+                                resume_step=resume_step, reslotted=reslotted or [], decision=decision)
         if self.reform_requests:
             # Steps lost: completed steps that the new world does not start after.
             event.steps_lost = max(0, max(r["completed_step"] for r in self.reform_requests.values()) + 1 - resume_step)

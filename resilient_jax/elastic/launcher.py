@@ -34,17 +34,17 @@ class LocalLauncher:
         self._watcher = threading.Thread(target=self._watch, name="launcher-watch", daemon=True)
         self._watcher.start()
 
-    def start_host(self, host: str, region: str) -> None:
+    def start_host(self, host: str, region: str, spare: bool = False) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "resilient_jax.elastic", "worker", "--controller", self.controller_url,
                "--host", host, "--region", region, "--config-json", str(self.config_path),
-               "--devices", str(self.devices_per_host)]
+               "--devices", str(self.devices_per_host)] + (["--spare"] if spare else [])
         env = {**os.environ, "RESILIENT_JAX_TOKEN": self.token}
         log_file = open(self.log_dir / f"{host}.log", "ab")
         with self._lock:
             self.procs[host] = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env)
         log_file.close()
-        log.info("started %s (%s), pid %d", host, region, self.procs[host].pid)
+        log.info("started %s (%s%s), pid %d", host, region, ", spare" if spare else "", self.procs[host].pid)
 
     def fence(self, host: str) -> None:
         """A host declared dead must not come back into the world: SIGKILL it (also wakes a SIGSTOP)."""

@@ -17,34 +17,50 @@ import time
 from pathlib import Path
 
 from resilient_jax import faults as faults_lib
+from resilient_jax import gpu_env
 from resilient_jax.config import Config, ConfigError
 from resilient_jax.elastic.controller import Controller
 from resilient_jax.elastic.launcher import LocalLauncher
 
 log = logging.getLogger(__name__)
 
+HOST_FAULTS = ("kill_host", "hang_host", "delay_host", "slow_host")
 
-def host_plan(cfg: Config) -> list[tuple[str, str]]:
-    """(host id, region) for every initial host, in topology order: h0, h1, ..."""
-    plan = []
+
+def host_plan(cfg: Config, *, spares: bool = False) -> list[tuple[str, str]]:
+    """(host id, region) for every initial host in topology order: h0, h1, ... With spares=True,
+    the spare hosts instead, numbered after the initial ones."""
     for region in cfg.topology.regions:
-        if region.hosts < 1:
-            raise ConfigError(f"topology.regions: region {region.name!r} needs hosts >= 1")
-        for _ in range(region.hosts):
-            plan.append((f"h{len(plan)}", region.name))
-    return plan
+        if region.hosts < 1 or region.spares < 0:
+            raise ConfigError(f"topology.regions: region {region.name!r} needs hosts >= 1 and spares >= 0")
+    initial = [r.name for r in cfg.topology.regions for _ in range(r.hosts)]
+    if not spares:
+        return [(f"h{i}", region) for i, region in enumerate(initial)]
+    extra = [r.name for r in cfg.topology.regions for _ in range(r.spares)]
+    return [(f"h{len(initial) + i}", region) for i, region in enumerate(extra)]
 
 
 def validate(cfg: Config) -> None:
+    # Refuse invariant mode on a GPU setup that cannot give it before any host starts.
+    gpu_env.check_invariant_supported(cfg, gpu_env.detect_platform(), os.environ.get("XLA_FLAGS", ""))
     names = [r.name for r in cfg.topology.regions]
     if len(set(names)) != len(names):
         raise ConfigError("topology.regions: region names must be unique")
     hosts = len(host_plan(cfg))
     for fault in faults_lib.parse_faults(cfg.faults):
-        if fault.kind in ("kill_host", "hang_host") and int(fault.target) >= hosts:
+        if fault.kind in HOST_FAULTS and int(fault.target) >= hosts:
             raise ConfigError(f"fault {fault}: host {fault.target} does not exist (hosts 0..{hosts - 1})")
         if fault.kind == "kill_region" and fault.target not in names:
             raise ConfigError(f"fault {fault}: region {fault.target!r} is not in topology.regions ({', '.join(names)})")
+
+
+def make_launcher(cfg: Config, **kwargs):
+    """The launcher named by runtime.launcher; both implement start_host / fence / stop."""
+    if cfg.runtime.launcher == "ray":
+        from resilient_jax.elastic.ray_launcher import RayLauncher
+
+        return RayLauncher(cfg=cfg, **kwargs)
+    return LocalLauncher(**kwargs)
 
 
 def run_elastic(cfg: Config) -> dict:
@@ -58,7 +74,8 @@ def run_elastic(cfg: Config) -> dict:
     controller = Controller(
         config_hash=cfg.hash, expected_hosts=len(plan), run_dir=run_dir, bind=cfg.runtime.bind,
         port=cfg.runtime.port, token=token, dead_after_seconds=cfg.runtime.dead_after_seconds,
-        min_hosts=cfg.runtime.min_hosts,
+        min_hosts=cfg.runtime.min_hosts, total_steps=cfg.train.steps,
+        straggler_factor=cfg.runtime.straggler_factor, straggler_window=cfg.runtime.straggler_window,
     )
     (run_dir / "elastic" / "controller.json").write_text(json.dumps({"url": controller.url, "pid": os.getpid()}))
 
@@ -66,15 +83,24 @@ def run_elastic(cfg: Config) -> dict:
         if code != 0 and controller.summary is None:
             controller.mark_dead(host, f"process exited with code {code}")
 
-    launcher = LocalLauncher(controller_url=controller.url, token=token, config_path=config_path,
-                             log_dir=run_dir / "elastic" / "logs", on_exit=on_exit,
-                             devices_per_host=cfg.topology.devices_per_host)
+    try:  # a launcher checks its cluster first (too few nodes, wrong devices): fail before training
+        launcher = make_launcher(cfg, controller_url=controller.url, token=token, config_path=config_path,
+                                 log_dir=run_dir / "elastic" / "logs", on_exit=on_exit,
+                                 devices_per_host=cfg.topology.devices_per_host)
+    except BaseException:
+        controller.close()
+        raise
     controller.on_dead = launcher.fence  # a host declared dead must stay dead
-    print(f"resilient_jax: controller {controller.url} | {len(plan)} hosts in "
+    print(f"resilient_jax: controller {controller.url} | {len(plan)} hosts"
+          f"{f' + {sum(r.spares for r in cfg.topology.regions)} spares' if any(r.spares for r in cfg.topology.regions) else ''} in "
           f"{len(cfg.topology.regions)} regions | config {cfg.hash}", flush=True)
     for host, region in plan:
         launcher.start_host(host, region)
-    joins = threading.Thread(target=_schedule_joins, args=(cfg, controller, launcher, len(plan)), daemon=True)
+    spares = host_plan(cfg, spares=True)
+    for host, region in spares:
+        launcher.start_host(host, region, spare=True)
+    joins = threading.Thread(target=_schedule_joins, args=(cfg, controller, launcher, len(plan) + len(spares)),
+                             daemon=True)
     joins.start()
     started = time.perf_counter()
     try:

@@ -13,9 +13,16 @@ to host memory, the JAX world is left (shutdown, clear backends) and the control
 the next world. There every member adopts the state of the member that completed the most steps
 (a bit-exact broadcast), and training resumes at the next step: zero steps lost.
 
-Growth is agreed inside the world: after every step each member contributes the controller's
-latest join signal to a tiny all-gather; when the maximum is set, every member re-forms at the same
-step boundary, and the newcomer receives the state from a peer, never from disk.
+Growth and reslots are agreed inside the world: after every step each member contributes the
+controller's latest reform signal to a tiny all-gather; when the maximum is set, every member
+re-forms at the same step boundary, and a newcomer (or a spare taking a straggler's slot) receives
+the state from a peer, never from disk.
+
+Failures are not detected by timeouts here: the heartbeat thread reports this host's step timings
+and, when a step runs past the stall deadline (a multiple of the recent p95 step time, with a
+floor), how long it has waited. The controller answers from liveness: while every member is alive
+the step simply goes on waiting (backpressure); once a member is dead the reply says abort, and the
+heartbeat thread aborts this world's collectives so the step raises at once.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import signal
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,39 +53,100 @@ class HostState:
     data_position: dict | None = None
 
 
-class Heartbeat(threading.Thread):
-    """Reports liveness and step timings on its own thread; training never waits for it."""
+class StallClock:
+    """This host's recent step times and the adaptive stall deadline derived from them."""
 
-    def __init__(self, client, host: str, interval: float):
+    def __init__(self, floor_seconds: float, multiple: float, history: int = 50):
+        self.floor, self.multiple = floor_seconds, multiple
+        self.recent: deque[float] = deque(maxlen=history)
+        self.started_at: float | None = None  # perf_counter at entry into the current step
+
+    def deadline(self) -> float:
+        if len(self.recent) < 5:  # too little history (a world's first steps): never call a stall
+            return float("inf")
+        p95 = float(np.percentile(np.asarray(self.recent), 95))
+        return max(self.floor, self.multiple * p95)
+
+    def stalled_for(self) -> float:
+        """Seconds the current step has run, if past the deadline; else 0."""
+        started = self.started_at
+        if started is None:
+            return 0.0
+        elapsed = time.perf_counter() - started
+        return elapsed if elapsed > self.deadline() else 0.0
+
+
+class Heartbeat(threading.Thread):
+    """Reports liveness, step timings and stalls on its own thread; training never waits for it."""
+
+    def __init__(self, client, host: str, interval: float, clock: StallClock):
         super().__init__(name="heartbeat", daemon=True)
-        self.client, self.host, self.interval = client, host, interval
+        self.client, self.host, self.interval, self.clock = client, host, interval, clock
         self.generation, self.step, self.step_seconds = -1, -1, 0.0
-        self.join_signal = 0
+        self.reform_signal = 0
+        self.on_abort = lambda generation: None
+        self._timings: list[list] = []  # [step, ready s, step s, wall time] not yet reported
+        self._lock = threading.Lock()
         self._stop = threading.Event()
+
+    def record(self, step: int, ready_seconds: float, step_seconds: float) -> None:
+        with self._lock:
+            self._timings.append([step, ready_seconds, step_seconds, time.time()])
+        self.step, self.step_seconds = step, step_seconds
 
     def run(self) -> None:
         from resilient_jax.elastic.channel import ControllerError
 
         while not self._stop.wait(self.interval):
+            with self._lock:
+                timings, self._timings = self._timings, []
+            generation = self.generation
+            stalled = self.clock.stalled_for()
             try:
-                reply = self.client.call("/heartbeat", retry_seconds=0, host=self.host, generation=self.generation,
-                                         step=self.step, step_seconds=self.step_seconds)
-                self.join_signal = int(reply.get("join_signal", 0))
+                reply = self.client.call("/heartbeat", retry_seconds=0, host=self.host, generation=generation,
+                                         step=self.step, step_seconds=self.step_seconds, stalled_seconds=stalled,
+                                         deadline_seconds=min(self.clock.deadline(), 1e9), timings=timings)
             except ControllerError as e:
                 # Briefly unreachable: keep training; membership has not changed as far as we know.
                 log.debug("heartbeat failed: %s", e)
+                with self._lock:
+                    self._timings = timings + self._timings
+                continue
+            self.reform_signal = int(reply.get("reform_signal", 0))
+            if reply.get("abort"):
+                try:
+                    self.on_abort(generation)
+                except Exception:  # the heartbeat must outlive anything an abort runs into
+                    log.exception("aborting the collectives of generation %d failed", generation)
 
     def stop(self) -> None:
         self._stop.set()
 
 
 class HostFaults:
-    """Fires this host's injected faults at their step, from a timer so they land mid-step."""
+    """Fires this host's injected faults at their step: kills and hangs from a timer so they land
+    mid-step; delays (a latency spike, a straggler) as a wait before the host enters the step."""
 
     def __init__(self, faults, host_index: int, region: str, client, host: str):
         self.pending = [f for f in faults if (f.kind in ("kill_host", "hang_host") and int(f.target) == host_index)
                         or (f.kind == "kill_region" and f.target == region)]
+        self.delays = [f for f in faults if f.kind in ("delay_host", "slow_host") and int(f.target) == host_index]
+        self.announced: set = set()
+        self.baseline: dict = {}  # slow_host: this host's own step time just before the slowdown
         self.client, self.host = client, host
+
+    def delay(self, step: int, clock: StallClock) -> None:
+        """Hold this host back before `step` (its heartbeats go on: it is slow, not dead)."""
+        for fault in self.delays:
+            if fault.kind == "slow_host" and step >= fault.step and fault not in self.baseline:
+                self.baseline[fault] = float(np.median(clock.recent)) if clock.recent else 0.0
+            seconds = fault.delay_before(step, self.baseline.get(fault, 0.0))
+            if seconds <= 0:
+                continue
+            if fault not in self.announced:
+                self.announced.add(fault)
+                self.client.call("/fault", retry_seconds=2, host=self.host, kind=fault.kind, step=step)
+            time.sleep(seconds)
 
     def arm(self, step: int) -> None:
         for fault in [f for f in self.pending if f.step == step]:
@@ -94,28 +163,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--region", default="local")
     parser.add_argument("--config-json", required=True)
     parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--spare", action="store_true", help="wait outside the world until given a slot")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.host} %(levelname)s %(message)s")
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every save step at INFO
 
-    from resilient_jax.config import from_dict
+    from resilient_jax.config import ConfigError, from_dict
 
     cfg = from_dict(json.loads(Path(args.config_json).read_text()))
     from resilient_jax.elastic import world as world_lib
 
-    world_lib.configure_process(cfg.runtime.collective_timeout_seconds, args.devices)
+    try:
+        world_lib.configure_process(cfg, args.devices)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 3
     from resilient_jax.elastic.channel import ControllerClient, ControllerError
 
     client = ControllerClient(args.controller, os.environ.get("RESILIENT_JAX_TOKEN", ""))
     try:
-        client.call("/register", host=args.host, region=args.region, devices=args.devices, config_hash=cfg.hash)
+        client.call("/register", host=args.host, region=args.region, devices=args.devices, config_hash=cfg.hash,
+                    spare=args.spare)
     except ControllerError as e:
         print(f"error: the controller refused {args.host}: {e}", file=sys.stderr)
         return 3
-    heartbeat = Heartbeat(client, args.host, cfg.runtime.heartbeat_seconds)
+    clock = StallClock(cfg.runtime.stall_floor_seconds, cfg.runtime.stall_multiple)
+    heartbeat = Heartbeat(client, args.host, cfg.runtime.heartbeat_seconds, clock)
+    worker = Worker(cfg, args.host, args.region, client, heartbeat)
+    heartbeat.on_abort = worker.abort
     heartbeat.start()
     try:
-        return Worker(cfg, args.host, args.region, client, heartbeat).run()
+        return worker.run()
     finally:
         heartbeat.stop()
 
@@ -132,6 +210,8 @@ class Worker:
 
         self.kept = HostState()
         self.generation = -1
+        self.coordinator_port: int | None = None  # set while this process is in a JAX world
+        self._world_lock = threading.Lock()  # an abort must hit the world it was meant for
         self.totals = RunTotals()
         self.metrics = None
         self.started = time.perf_counter()
@@ -149,6 +229,21 @@ class Worker:
                              completed_step=self.kept.completed_step, data_position=self.kept.data_position,
                              reason=outcome)
 
+    def abort(self, generation: int) -> None:
+        """The controller says a member of `generation` is dead: make our collectives fail now."""
+        from resilient_jax.elastic import world as world_lib
+
+        # Under the lock: the main thread cannot leave this world and join the next one meanwhile,
+        # so only this world's connections are shut down.
+        with self._world_lock:
+            if self.coordinator_port is None or generation != self.generation:
+                return
+            keep = {self.coordinator_port, self.client.port}
+            self.coordinator_port = None  # once per world
+            n = world_lib.abort_collectives(keep)
+        log.warning("a member of generation %d is dead: aborted this host's collectives (%d connections)",
+                    generation, n)
+
     def _wait_world(self) -> dict | None:
         while True:
             reply = self.client.call("/world", retry_seconds=60, host=self.host, after=self.generation)
@@ -163,17 +258,19 @@ class Worker:
 
     def _train_in(self, world: dict) -> str:
         """Train in one world until the run finishes ("finished") or the world must change
-        ("failure" / "join"). Leaves the world before returning."""
+        ("failure" / "change"). Leaves the world before returning."""
         import jax
 
         from resilient_jax.elastic import transfer
         from resilient_jax.elastic import world as world_lib
         from resilient_jax.trainer import StepLoop, Trainer
 
-        self.generation = world["generation"]
         members = world["members"]
         rank = members.index(self.host)
-        world_lib.join(world["coordinator"], len(members), rank)
+        with self._world_lock:
+            self.generation = world["generation"]
+            world_lib.join(world["coordinator"], len(members), rank)
+            self.coordinator_port = int(world["coordinator"].rsplit(":", 1)[1])
         self.heartbeat.generation = self.generation
         log.info("generation %d: rank %d of %d, resume at step %d", self.generation, rank, len(members),
                  world["resume_step"])
@@ -205,6 +302,8 @@ class Worker:
         finally:
             if loop is not None:
                 loop.close()
+            with self._world_lock:
+                self.coordinator_port = None
             world_lib.leave(before_reset=ckpt.close)
 
     def _steps(self, trainer, loop, ckpt, state, step: int) -> str:
@@ -214,23 +313,29 @@ class Worker:
         from resilient_jax.elastic import transfer
 
         first = True
+        clock = self.heartbeat.clock
         try:
             while step < self.cfg.train.steps:
+                ready_from = time.perf_counter()
+                self.faults.delay(step, clock)
                 self.faults.arm(step)
-                t0 = time.perf_counter()
+                t0 = clock.started_at = time.perf_counter()
                 state = loop.step(state, step)
+                clock.started_at = None
+                seconds = time.perf_counter() - t0
+                clock.recent.append(seconds)
                 self.kept.completed_step = step
-                self.heartbeat.step, self.heartbeat.step_seconds = step, time.perf_counter() - t0
+                self.heartbeat.record(step, t0 - ready_from, seconds)
                 if first:
                     self.client.call("/progress", retry_seconds=5, host=self.host, generation=self.generation,
                                      step=step)
                     first = False
                 step += 1
-                # Grow only when every member agrees, at the same step boundary.
-                agreed = int(multihost_utils.process_allgather(np.int32(self.heartbeat.join_signal)).max())
+                # Change the world (growth, a reslot) only when every member agrees, at the same boundary.
+                agreed = int(multihost_utils.process_allgather(np.int32(self.heartbeat.reform_signal)).max())
                 if agreed > self.generation and step < self.cfg.train.steps:
                     self._keep(transfer.to_host(state), loop)
-                    return "join"
+                    return "change"
             ckpt.finish(step, state, loop.data_position())
             summary = trainer.summarize(state, self.totals, time.perf_counter() - self.started, loop.data_position())
             summary["final_step"] = step
@@ -238,6 +343,7 @@ class Worker:
                 self.client.call("/done", retry_seconds=30, host=self.host, summary=summary)
             return "finished"
         except jax.errors.JaxRuntimeError as e:
+            clock.started_at = None
             log.warning("step %d failed in generation %d: %s", step, self.generation, str(e).splitlines()[0][:200])
             # compute() never donates: `state` is still the state after step-1, on our devices.
             self._keep(transfer.to_host(state), loop)

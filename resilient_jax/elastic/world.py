@@ -21,16 +21,20 @@ import os
 log = logging.getLogger(__name__)
 
 
-def configure_process(collective_timeout_seconds: int, devices: int) -> None:
-    """Worker-process settings that must be in place before JAX creates a backend."""
-    flag = f"--xla_cpu_collective_timeout_seconds={collective_timeout_seconds}"
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+def configure_process(cfg, devices: int) -> None:
+    """Worker-process settings that must be in place before JAX creates a backend: the XLA flags
+    and client variables of `resilient_jax.gpu_env` (collective timeouts, NCCL abort on a peer's
+    failure, deterministic GPU kernels in invariant mode), then recoverability."""
+    from resilient_jax import gpu_env
+
+    platform = gpu_env.detect_platform()
+    os.environ.update(gpu_env.worker_environment(cfg, platform))  # ConfigError: invariant mode unavailable
     import jax
 
     # Without recoverability a peer's death aborts this process from C++ (LOG(FATAL)); with it,
     # the failed collective raises a catchable JaxRuntimeError.
     jax.config.update("jax_enable_recoverability", True)
-    if devices > 0:
+    if devices > 0 and platform == "cpu":
         jax.config.update("jax_num_cpu_devices", devices)
 
 
@@ -77,6 +81,52 @@ def barrier(name: str, timeout_seconds: float) -> None:
     from jax._src import distributed
 
     distributed.global_state.client.wait_at_barrier(name, int(timeout_seconds * 1000))
+
+
+def abort_collectives(keep_ports: set[int]) -> int:
+    """Make this process's in-flight and future collectives of the current world fail now.
+
+    Gloo (the CPU collectives) has no abort call, and a survivor blocked on a peer that is alive but
+    has left the world would wait for the full collective timeout. Shutting down this process's
+    established TCP connections -- except those to `keep_ports` (the controller, the coordination
+    service) -- makes the blocked gloo operation raise at once ("Connection closed by peer"), and the
+    peers on the other end of each connection fail the same way, so the abort spreads through the
+    world. (On GPUs, NCCL's own abort does this: XLA_PYTHON_CLIENT_ABORT_COLLECTIVES_ON_FAILURE.)
+    Linux only (/proc); returns the number of connections shut down.
+    """
+    import socket
+
+    fds_by_inode = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            fds_by_inode[target[8:-1]] = int(fd)
+    count = 0
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            lines = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            remote_port, state, inode = int(fields[2].rsplit(":", 1)[1], 16), fields[3], fields[9]
+            if state != "01" or inode not in fds_by_inode or remote_port in keep_ports:  # 01 = ESTABLISHED
+                continue
+            try:  # the fd may have been closed since it was listed
+                sock = socket.socket(fileno=fds_by_inode[inode])
+            except OSError:
+                continue
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+                count += 1
+            except OSError:
+                pass
+            finally:
+                sock.detach()  # the fd still belongs to gloo; only its connection is shut down
+    return count
 
 
 def leave(before_reset=None) -> None:

@@ -1,0 +1,33 @@
+"""The fault-injection grammar: every kind parses, and a bad spec gets one error naming the grammar."""
+
+from __future__ import annotations
+
+import pytest
+
+from resilient_jax.config import ConfigError
+from resilient_jax.faults import parse_fault
+
+
+def test_every_kind_parses_and_prints_back():
+    for spec in ["nan_shard:3@20", "kill_host:1@20", "kill_region:eu-west@5", "hang_host:0@7", "join_host@9",
+                 "delay_host:2@15-17:8", "slow_host:1@12:4.5"]:
+        assert str(parse_fault(spec)) == spec
+
+
+def test_delays_apply_to_their_steps_only():
+    spike = parse_fault("delay_host:2@15-17:8")
+    assert [spike.delay_before(k, 0.2) for k in (14, 15, 17, 18)] == [0.0, 8.0, 8.0, 0.0]
+    slow = parse_fault("slow_host:1@12:4")
+    assert slow.delay_before(11, 0.25) == 0.0 and slow.delay_before(12, 0.25) == slow.delay_before(99, 0.25) == 0.75
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("explode_host:1@3", "unknown kind 'explode_host'"),
+    ("delay_host:1@15:8", "delay_host:HOST@FIRST-LAST:SECONDS"),
+    ("delay_host:1@15-14:8", "last delayed step 14 is before the first 15"),
+    ("slow_host:1@12", "slow_host:HOST@STEP:FACTOR"),
+    ("slow_host:1@12:0.5", "FACTOR must be > 1"),
+])
+def test_a_bad_spec_names_what_is_wrong(spec, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        parse_fault(spec)
