@@ -124,3 +124,31 @@ def test_a_straggler_is_replaced_by_a_spare_at_a_step_boundary(tmp_path):
         assert event["decision"]["action"] == "replace" and event["decision"]["ratio"] >= 1.5
     finally:
         ctl.close()
+
+
+def test_an_operator_drain_takes_a_host_out_at_a_step_boundary_and_bad_drains_are_refused(tmp_path):
+    ctl = Controller(config_hash="a" * 64, expected_hosts=2, run_dir=tmp_path, token="t", dead_after_seconds=60,
+                     min_hosts=2)
+    try:
+        client = ControllerClient(ctl.url, "t")
+        for host in ("h0", "h1"):
+            client.call("/register", host=host, region="us", devices=2, config_hash="a" * 64)
+        with pytest.raises(ControllerError, match="runtime.min_hosts 2, and no spare"):
+            client.call("/drain", retry_seconds=0, host="h1")
+        with pytest.raises(ControllerError, match="h7 is not an active member"):
+            client.call("/drain", retry_seconds=0, host="h7")
+        client.call("/register", host="h2", region="eu", devices=2, config_hash="a" * 64, spare=True)
+        assert client.call("/drain", host="h1")["pending"]["spare"] == "h2"
+        assert _heartbeat(client, "h0", step=3)["reform_signal"] == 1
+        replies = {}
+        threads = [threading.Thread(target=lambda h=h: replies.__setitem__(h, client.call(
+            "/reform", host=h, generation=0, completed_step=3, data_position={"step": 4}, reason="change")))
+            for h in ("h0", "h1")]
+        [t.start() for t in threads]
+        [t.join(30) for t in threads]
+        assert replies["h0"]["world"]["members"] == ["h0", "h2"] and replies["h1"] == {"evicted": True}
+        (event,) = ctl.elastic_report()["events"]
+        assert event["reason"] == "drain" and event["reslotted"] == ["h1"] and event["joined"] == ["h2"]
+        assert ctl.members["h1"].status == "drained"
+    finally:
+        ctl.close()

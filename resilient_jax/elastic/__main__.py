@@ -1,4 +1,4 @@
-"""`python -m resilient_jax.elastic status --run DIR` | `worker ...` (started by a launcher)."""
+"""`python -m resilient_jax.elastic status --run DIR` | `drain --run DIR --host H` | `worker ...` (started by a launcher)."""
 
 from __future__ import annotations
 
@@ -22,8 +22,29 @@ def status(run_dir: Path) -> int:
     for event in st["events"]:
         print(f"generation {event['generation']}: {event['reason']}"
               + (f" lost {','.join(event['lost'])}" if event["lost"] else "")
+              + (f" took out {','.join(event['reslotted'])}" if event.get("reslotted") else "")
               + (f" joined {','.join(event['joined'])}" if event["joined"] else "")
               + f" resume at step {event['resume_step']}")
+    return 0
+
+
+def drain(run_dir: Path, host: str) -> int:
+    """Ask the run's controller to take `host` out of the world at the next step boundary."""
+    from resilient_jax.elastic.channel import ControllerClient, ControllerError
+
+    info, token_file = run_dir / "elastic" / "controller.json", run_dir / "elastic" / "token"
+    if not info.is_file():
+        print(f"error: {info} not found: is {run_dir} the run.dir of a running elastic run?", file=sys.stderr)
+        return 2
+    token = token_file.read_text().strip() if token_file.is_file() else ""
+    client = ControllerClient(json.loads(info.read_text())["url"], token)
+    try:
+        pending = client.call("/drain", retry_seconds=5, host=host)["pending"]
+    except ControllerError as e:
+        print(f"error: drain {host}: {e}", file=sys.stderr)
+        return 2
+    print(f"drain {host}: it leaves at the next step boundary"
+          + (f"; spare {pending['spare']} takes its slot" if pending["spare"] else "; no spare, the world shrinks"))
     return 0
 
 
@@ -37,9 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     st = sub.add_parser("status", help="members, generation and step of a run")
     st.add_argument("--run", required=True, type=Path, help="the run's run.dir")
+    dr = sub.add_parser("drain", help="take a host out of the running world at the next step boundary")
+    dr.add_argument("--run", required=True, type=Path, help="the run's run.dir")
+    dr.add_argument("--host", required=True, help="host id, e.g. h2 (see `status`)")
     sub.add_parser("worker", help="(started by a launcher) one host of an elastic run")
     args = parser.parse_args(argv)
-    return status(args.run)
+    return drain(args.run, args.host) if args.command == "drain" else status(args.run)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ ROUTES = {
     ("POST", "/fault"): "fault",
     ("POST", "/progress"): "progress",
     ("POST", "/done"): "done",
+    ("POST", "/drain"): "drain",
     ("GET", "/status"): "status",
 }
 

@@ -10,6 +10,7 @@ Workers talk to it over a small JSON-over-HTTP API (stdlib `http.server`, see `c
     POST /fault     {host, kind, step}                       (an injector announces a fault it fires)
     POST /progress  {host, generation, step}                 (first step done in a new generation)
     POST /done      {host, summary}
+    POST /drain     {host}                                   (an operator takes a host out at a step boundary)
     GET  /status
 
 Generations: world g is (members in rank order, coordination service address, resume step,
@@ -50,7 +51,7 @@ class Member:
     host: str
     region: str
     devices: int
-    status: str = "registered"  # registered | spare -> active -> dead | reslotted | done
+    status: str = "registered"  # registered | spare -> active -> dead | reslotted | drained | done
     last_seen: float = field(default_factory=time.monotonic)
     step: int = -1
     generation: int = -1
@@ -129,6 +130,16 @@ class Stall:
         }
 
 
+@dataclass(frozen=True)
+class Change:
+    """A planned world change at the next agreed step boundary: `host` leaves, `spare` (if any) takes its slot."""
+
+    kind: str  # "reslot" (a straggler decision) | "drain" (an operator's request)
+    host: str
+    spare: str | None
+    record: dict  # the decision and its numbers, as reported in the event
+
+
 class RunFailed(RuntimeError):
     pass
 
@@ -148,7 +159,7 @@ class Controller:
         self.min_hosts = min_hosts
         self.total_steps = total_steps
         self.straggler_factor, self.straggler_window = straggler_factor, straggler_window
-        self.started = time.monotonic()
+        self._status_written = 0.0
         self.on_dead = on_dead or (lambda host: None)
         self.members: dict[str, Member] = {}
         self.world: World | None = None
@@ -161,7 +172,7 @@ class Controller:
         self.timings: dict[int, dict[int, dict[str, stragglers.StepTiming]]] = {}  # generation -> step -> host
         self.timeline: list[dict] = []  # per host and step, for plots
         self.stalls: dict[tuple[int, int], Stall] = {}
-        self.pending_change: stragglers.Decision | None = None
+        self.pending_change: Change | None = None
         self.decisions: list[dict] = []
         # Restarts, counted not assumed: a host process that registers again under its old id, or a
         # world after the first that had to resume from disk instead of from a member's memory.
@@ -212,6 +223,8 @@ class Controller:
             abort = generation in self.broken
             if stalled_seconds > 0 and not abort and self.world is not None and generation == self.world.generation:
                 self._record_stall(host, step + 1, stalled_seconds, deadline_seconds)
+            if time.monotonic() - self._status_written > 1.0:  # keep status.json's steps fresh, cheaply
+                self._write_status()
             return {"reform_signal": self._reform_signal(), "abort": abort}
 
     def wait_world(self, host: str, after: int, timeout: float = 20.0) -> dict:
@@ -224,7 +237,7 @@ class Controller:
                 if self.world is not None and self.world.generation > after:
                     if host in self.world.members:
                         return {"world": self.world.to_dict()}
-                    if self.members[host].status in ("dead", "reslotted"):
+                    if self.members[host].status in ("dead", "reslotted", "drained"):
                         return {"evicted": True}
                 if self.summary is not None:
                     return {"finished": True}
@@ -275,6 +288,27 @@ class Controller:
     def status(self) -> dict:
         with self._lock:
             return self._status()
+
+    def drain(self, host: str) -> dict:
+        """Take `host` out of the world at the next step boundary (a spare, if any, takes its slot)."""
+        with self._lock:
+            world = self.world
+            if world is None or host not in world.members or self.members[host].status != "active":
+                raise channel.Refused(409, f"host {host} is not an active member of the running world "
+                                           f"({', '.join(world.members) if world else 'no world yet'})")
+            if self.pending_change is not None:
+                raise channel.Refused(409, f"a change is already pending ({self.pending_change.kind} of "
+                                           f"{self.pending_change.host}); drain again after it")
+            spare = next((h for h, m in sorted(self.members.items()) if m.status == "spare"), None)
+            if spare is None and len(world.members) - 1 < self.min_hosts:
+                raise channel.Refused(409, f"draining {host} would leave {len(world.members) - 1} hosts < "
+                                           f"runtime.min_hosts {self.min_hosts}, and no spare is registered")
+            record = {"action": "drain", "host": host, "spare": spare, "reason": "operator request"}
+            self.pending_change = Change("drain", host, spare, record)
+            self._detected_at = self._detected_at or time.monotonic()
+            log.info("drain %s requested%s", host, f"; spare {spare} takes its slot" if spare else "")
+            self._write_status()
+            return {"pending": record}
 
     # -- called by the launcher --------------------------------------------------------------------
 
@@ -386,7 +420,7 @@ class Controller:
         self.decisions.append(record)
         log.warning("straggler %s: %s -- %s", found.host, decision.action, decision.reason)
         if decision.action != "keep":
-            self.pending_change = decision
+            self.pending_change = Change("reslot", found.host, decision.spare, record)
             self._detected_at = self._detected_at or time.monotonic()
         self._write_status()
 
@@ -428,22 +462,22 @@ class Controller:
                       f"{self.min_hosts}")
             return
         change, self.pending_change = self.pending_change, None
-        evicted = [change.straggler.host] if change is not None and change.straggler.host in live else []
+        evicted = [change.host] if change is not None and change.host in live else []
         completed = {h: self.reform_requests[h]["completed_step"] for h in live}
         best = max(completed.values())
         source = min((h for h in live if completed[h] == best and h not in evicted), key=world.members.index)
         if lost:
             reason = "failure"
         elif evicted:
-            reason = "reslot"
+            reason = change.kind
         elif self._count("registered"):
             reason = "join"
         else:  # every member alive and asking: a collective hit the backstop timeout
             reason = "collective-timeout"
         for host in evicted:
-            self.members[host].status = "reslotted"
-        # Spares take the slots of lost hosts, and of a straggler when the decision names one.
-        wanted = len(lost) + (1 if change is not None and change.action == "replace" else 0)
+            self.members[host].status = "reslotted" if change.kind == "reslot" else "drained"
+        # Spares take the slots of lost hosts, and of a reslotted or drained host when the change names one.
+        wanted = len(lost) + (1 if change is not None and change.spare else 0)
         promoted = [h for h in ([change.spare] if change is not None and change.spare else []) +
                     sorted(h for h, m in self.members.items() if m.status == "spare")
                     if self.members[h].status == "spare"][:wanted]
@@ -451,7 +485,7 @@ class Controller:
             self.members[host].status = "registered"
         self._form(reason=reason, resume_step=best + 1, source=source,
                    data_position=self.reform_requests[source]["data_position"], lost=lost, reslotted=evicted,
-                   decision=change.to_dict() if change is not None else None)
+                   decision=change.record if change is not None else None)
 
     def _form(self, *, reason: str, resume_step: int, source: str | None, data_position: dict | None,
               lost: list[str], reslotted: list[str] | None = None, decision: dict | None = None) -> None:
@@ -510,6 +544,7 @@ class Controller:
         }
 
     def _write_status(self) -> None:
+        self._status_written = time.monotonic()
         path = self.run_dir / "elastic" / "status.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")

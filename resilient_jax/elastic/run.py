@@ -78,6 +78,11 @@ def run_elastic(cfg: Config) -> dict:
         straggler_factor=cfg.runtime.straggler_factor, straggler_window=cfg.runtime.straggler_window,
     )
     (run_dir / "elastic" / "controller.json").write_text(json.dumps({"url": controller.url, "pid": os.getpid()}))
+    # For the operator's commands (`python -m resilient_jax.elastic drain`): readable by this user only.
+    token_file = run_dir / "elastic" / "token"
+    token_file.touch(mode=0o600)
+    token_file.chmod(0o600)
+    token_file.write_text(token)
 
     def on_exit(host: str, code: int) -> None:
         if code != 0 and controller.summary is None:

@@ -189,9 +189,9 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     clock = StallClock(cfg.runtime.stall_floor_seconds, cfg.runtime.stall_multiple)
     heartbeat = Heartbeat(client, args.host, cfg.runtime.heartbeat_seconds, clock)
+    heartbeat.start()  # right after registering: the imports below can take seconds on a busy host
     worker = Worker(cfg, args.host, args.region, client, heartbeat)
     heartbeat.on_abort = worker.abort
-    heartbeat.start()
     try:
         return worker.run()
     finally:
@@ -267,9 +267,9 @@ class Worker:
 
         members = world["members"]
         rank = members.index(self.host)
+        world_lib.join(world["coordinator"], len(members), rank)  # not under the lock: it waits for peers
         with self._world_lock:
             self.generation = world["generation"]
-            world_lib.join(world["coordinator"], len(members), rank)
             self.coordinator_port = int(world["coordinator"].rsplit(":", 1)[1])
         self.heartbeat.generation = self.generation
         log.info("generation %d: rank %d of %d, resume at step %d", self.generation, rank, len(members),
@@ -277,7 +277,6 @@ class Worker:
         trainer = Trainer(self.cfg, devices=jax.devices())
         ckpt = trainer.checkpoints(generation=self.generation,
                                    regions={i: world["regions"][h] for i, h in enumerate(members)})
-        loop = None
         try:
             if world["source"] is None:
                 # A new run, or one resuming from the persistent checkpoint in run.dir.
@@ -296,15 +295,25 @@ class Worker:
                 position = _position_from_dict(world["data_position"])
             trainer.precompile(state)
             world_lib.barrier(f"compiled-{self.generation}", timeout_seconds=300)
-            loop = StepLoop(trainer, self._metrics(trainer, start), self.totals, ckpt, start_step=start,
-                            position=position)
+        except jax.errors.JaxRuntimeError as e:
+            # A member died while this world was forming (the adoption broadcast or the barrier
+            # failed): what this host kept from the last world is unchanged; ask for the next one.
+            log.warning("forming generation %d failed: %s", self.generation, str(e).splitlines()[0][:200])
+            self._leave(ckpt)
+            return "failure"
+        loop = StepLoop(trainer, self._metrics(trainer, start), self.totals, ckpt, start_step=start, position=position)
+        try:
             return self._steps(trainer, loop, ckpt, state, start)
         finally:
-            if loop is not None:
-                loop.close()
-            with self._world_lock:
-                self.coordinator_port = None
-            world_lib.leave(before_reset=ckpt.close)
+            loop.close()
+            self._leave(ckpt)
+
+    def _leave(self, ckpt) -> None:
+        from resilient_jax.elastic import world as world_lib
+
+        with self._world_lock:  # no abort may land on the next world's connections
+            self.coordinator_port = None
+        world_lib.leave(before_reset=ckpt.close)
 
     def _steps(self, trainer, loop, ckpt, state, step: int) -> str:
         import jax

@@ -1,0 +1,310 @@
+"""`runtime.launcher: ray`: the preflight plan (pure, no Ray), bad clusters refused before training,
+and -- on fake Ray nodes (ray.cluster_utils.Cluster) -- a node that dies mid-run is absorbed and a
+node that joins later becomes a new host of the running world.
+
+One module-scoped cluster: a head node without the worker resource (where this test process is the
+driver) and four worker nodes labelled region:us, us, eu, eu. The train CLI runs in a subprocess
+and attaches to it through runtime.ray_address.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from resilient_jax.config import ConfigError, load_config  # noqa: E402
+from resilient_jax.elastic.ray_launcher import HOST_RESOURCE, Node, plan_placement  # noqa: E402
+
+from conftest import REPO, read_summary, run_cli, tiny_config  # noqa: E402
+
+CPU4 = str(REPO / "configs" / "cpu-4host.yaml")
+STEPS = 60
+WORKER_NODE = {"num_cpus": 1}
+
+
+# -- the placement plan on fake node lists ---------------------------------------------------------
+
+
+def node(i: int, region: str | None = None, **resources) -> Node:
+    res = {"CPU": 1.0, HOST_RESOURCE: 1.0, **resources}
+    if region:
+        res[f"region:{region}"] = 1.0
+    return Node(node_id=f"{i:02d}" * 28, ip=f"10.0.0.{i}", resources=res)
+
+
+def cfg4(*overrides: str):
+    return load_config(CPU4, ["runtime.launcher=ray", *overrides])
+
+
+def test_unlabelled_nodes_are_filled_in_node_order():
+    nodes = [node(i) for i in range(5)]
+    placement, usable = plan_placement(cfg4(), nodes, "x:1")
+    assert {h: n.node_id for h, n in placement.items()} == {f"h{i}": nodes[i].node_id for i in range(4)}
+    assert len(usable) == 5
+
+
+def test_hosts_go_to_nodes_labelled_with_their_region():
+    nodes = [node(0, "eu"), node(1, "us"), node(2, "eu"), node(3, "us")]
+    placement, _ = plan_placement(cfg4(), nodes, "x:1")  # h0, h1: us; h2, h3: eu
+    assert [placement[h].ip for h in ("h0", "h1", "h2", "h3")] == ["10.0.0.1", "10.0.0.3", "10.0.0.0", "10.0.0.2"]
+
+
+def test_too_few_worker_nodes_is_one_clear_error_naming_the_others():
+    nodes = [node(0), node(1), node(2), Node(node_id="ab" * 28, ip="10.0.0.9", resources={"CPU": 4.0})]
+    with pytest.raises(ConfigError) as e:
+        plan_placement(cfg4(), nodes, "10.0.0.1:6379")
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert "3 of 4 alive nodes can run a worker, the config needs 4" in msg and "topology.regions us=2, eu=2" in msg
+    assert f"not usable: node {'ab' * 6} (10.0.0.9) lacks resource {HOST_RESOURCE}" in msg
+    assert "ray start --address=10.0.0.1:6379" in msg
+
+
+def test_a_worker_node_without_its_devices_is_named_even_when_others_would_do():
+    nodes = [node(i) for i in range(5)] + [node(5, CPU=0.0), node(6, GPU=4.0)]
+    with pytest.raises(ConfigError) as e:
+        plan_placement(cfg4("topology.devices_per_host=8"), nodes, "x:1")
+    msg = str(e.value)
+    assert f"node {'05' * 6} (10.0.0.5) has resource {HOST_RESOURCE} but lacks CPU (has 0, needs >= 1)" in msg
+    assert f"node {'06' * 6} (10.0.0.6) has resource {HOST_RESOURCE} but lacks GPU (has 4, " \
+           "topology.devices_per_host needs 8)" in msg
+
+
+def test_gpu_nodes_with_enough_gpus_are_used():
+    placement, _ = plan_placement(cfg4("topology.devices_per_host=8"), [node(i, GPU=8.0) for i in range(4)], "x:1")
+    assert len(placement) == 4
+
+
+def test_min_hosts_above_the_topology_needs_that_many_nodes():
+    with pytest.raises(ConfigError, match="needs 6 .*runtime.min_hosts 6"):
+        plan_placement(cfg4("runtime.min_hosts=6"), [node(i) for i in range(5)], "x:1")
+
+
+def test_a_region_with_too_few_labelled_nodes_is_named():
+    nodes = [node(0, "us"), node(1, "eu"), node(2, "eu"), node(3, "eu")]
+    with pytest.raises(ConfigError, match="region us needs 2 hosts but only 1 usable nodes carry resource region:us"):
+        plan_placement(cfg4(), nodes, "x:1")
+
+
+def test_an_unreachable_ray_address_fails_fast(tmp_path):
+    from conftest import free_port
+
+    address = f"127.0.0.1:{free_port()}"
+    proc = run_cli("resilient_jax.train", "--config", CPU4, "--set", f"run.dir={tmp_path}", "--set",
+                   "runtime.launcher=ray", "--set", f"runtime.ray_address={address}", timeout=60)
+    error = assert_refused_before_training(proc, tmp_path)
+    assert f"runtime.ray_address='{address}': no Ray cluster answers there" in error
+
+
+# -- a fake Ray cluster ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, connect=True, head_node_args={"num_cpus": 1})
+    for region in ("us", "us", "eu", "eu"):
+        c.add_node(**WORKER_NODE, resources={HOST_RESOURCE: 1, f"region:{region}": 1})
+    c.wait_for_nodes()
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+def ray_cli(run_dir: Path, cluster, *sets: str, steps: int = STEPS, timeout: float = 120):
+    return run_cli("resilient_jax.train", "--config", CPU4, "--set", f"run.dir={run_dir}",
+                   "--set", "runtime.launcher=ray", "--set", f"runtime.ray_address={cluster.address}",
+                   "--set", f"train.steps={steps}", *[a for s in sets for a in ("--set", s)], timeout=timeout)
+
+
+def assert_refused_before_training(proc, run_dir: Path) -> str:
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr
+    assert not (run_dir / "summary.json").exists()
+    assert not (run_dir / "elastic" / "logs").exists()  # no worker was started
+    assert "resilient_jax: controller" not in proc.stdout
+    return errors[0]
+
+
+def test_fewer_nodes_than_hosts_fails_before_any_worker_starts(tmp_path, cluster):
+    proc = ray_cli(tmp_path, cluster, "topology.regions=[{name: us, hosts: 3}, {name: eu, hosts: 3}]")
+    error = assert_refused_before_training(proc, tmp_path)
+    assert f"Ray cluster {cluster.address}: 4 of 5 alive nodes can run a worker, the config needs 6" in error
+    head = cluster.head_node.node_id
+    assert f"node {head[:12]} ({cluster.head_node.node_ip_address}) lacks resource {HOST_RESOURCE}" in error
+
+
+def test_a_node_without_the_worker_resources_is_named(tmp_path, cluster):
+    """A node meant for workers (it advertises resilient_jax_host) but without a CPU cannot host one."""
+    bad = cluster.add_node(num_cpus=0, resources={HOST_RESOURCE: 1})
+    try:
+        cluster.wait_for_nodes()
+        proc = ray_cli(tmp_path, cluster)
+        error = assert_refused_before_training(proc, tmp_path)  # though 4 good nodes are enough
+        assert f"node {bad.node_id[:12]} ({bad.node_ip_address}) has resource {HOST_RESOURCE} but lacks CPU" in error
+    finally:
+        cluster.remove_node(bad)
+
+
+def test_a_region_short_of_labelled_nodes_fails_before_training(tmp_path, cluster):
+    proc = ray_cli(tmp_path, cluster, "topology.regions=[{name: us, hosts: 3}, {name: eu, hosts: 1}]")
+    error = assert_refused_before_training(proc, tmp_path)
+    assert "region us needs 3 hosts but only 2 usable nodes carry resource region:us" in error
+
+
+# -- training on the cluster -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, default_dataset):
+    """The fault-free trajectory, in one process on 8 devices (invariant reduction: any host count)."""
+    cfg = tiny_config(tmp_path_factory.mktemp("ref"), f"train.steps={STEPS}", "checkpoint.enabled=false")
+    from resilient_jax.trainer import Trainer
+
+    return Trainer(cfg, devices=jax.devices()[:8]).run()["params_fingerprint"]
+
+
+def _status(run_dir: Path) -> dict:
+    try:
+        return json.loads((run_dir / "elastic" / "status.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _logged_step(run_dir: Path) -> int:
+    """The last step rank 0 logged to metrics.jsonl (every train.log_every steps)."""
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        return max((json.loads(line)["step"] for line in lines if line.endswith("}")), default=-1)
+    except (OSError, ValueError, KeyError):
+        return -1
+
+
+def _wait(what: str, predicate, proc, timeout: float = 300):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"the run exited ({proc.returncode}) before {what}")
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _host_nodes(run_dir: Path) -> dict[str, str]:
+    """host -> Ray node id, from the first line each HostActor writes into the host's log."""
+    out = {}
+    for path in (run_dir / "elastic" / "logs").glob("h*.log"):
+        first = path.read_text(errors="replace").splitlines()[:1]
+        if first and first[0].startswith("resilient_jax ray: "):
+            out[path.stem] = first[0].split(" on node ")[1].split()[0]
+    return out
+
+
+def _worker_running(controller_url: str, host: str) -> bool:
+    for pid in os.listdir("/proc"):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if controller_url.encode() in argv and b"--host" in argv and argv[argv.index(b"--host") + 1] == host.encode():
+            return True
+    return False
+
+
+@pytest.mark.slow
+def test_a_lost_node_is_absorbed_and_a_new_node_joins_the_running_world(tmp_path, cluster, reference):
+    run_dir = tmp_path / "run"
+    out = open(tmp_path / "cli.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "resilient_jax.train", "--config", CPU4, "--set", f"run.dir={run_dir}",
+         "--set", "runtime.launcher=ray", "--set", f"runtime.ray_address={cluster.address}",
+         "--set", f"train.steps={STEPS}", "--set", "run.progress=plain"],
+        cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        _wait("step 10", lambda: _logged_step(run_dir) >= 10, proc)
+        # Every host runs on a node labelled with its region, one host per node.
+        placed = _host_nodes(run_dir)
+        assert sorted(placed) == ["h0", "h1", "h2", "h3"] and len(set(placed.values())) == 4
+        resources = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
+        for host, region in {"h0": "us", "h1": "us", "h2": "eu", "h3": "eu"}.items():
+            assert resources[placed[host]].get(f"region:{region}") == 1, (host, region)
+
+        # A node dies (its raylet is killed): the worker on it goes with it and the run absorbs it.
+        victim = next(n for n in cluster.worker_nodes if n.node_id == placed["h1"])
+        cluster.remove_node(victim, allow_graceful=False)
+        controller = json.loads((run_dir / "elastic" / "controller.json").read_text())["url"]
+        _wait("the failure generation", lambda: _status(run_dir).get("generation", 0) >= 1, proc, timeout=120)
+        _wait("h1's worker to be gone", lambda: not _worker_running(controller, "h1"), proc, timeout=30)
+
+        # A replacement node joins the cluster: it becomes a new host (h4) of the running world, in
+        # the region its label names (the cluster is back to 2 us + 2 eu nodes for the next tests).
+        cluster.add_node(**WORKER_NODE, resources={HOST_RESOURCE: 1, "region:us": 1})
+        assert proc.wait(timeout=600) == 0, (tmp_path / "cli.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        out.close()
+    logs = "\n".join(f"--- {p.name}\n{p.read_text()[-1500:]}" for p in sorted((run_dir / "elastic" / "logs").glob("*")))
+    summary = read_summary(run_dir)
+    assert summary["final_step"] == STEPS, logs
+    assert summary["restarts"] == 0 and summary["steps_lost"] == 0
+    assert summary["params_fingerprint"] == reference
+    failures = [e for e in summary["events"] if e["reason"] == "failure"]
+    assert [e["lost"] for e in failures] == [["h1"]]
+    joins = [e for e in summary["events"] if e["reason"] == "join"]
+    assert [e["joined"] for e in joins] == [["h4"]], summary["events"]
+    assert summary["members"]["h4"] == {"region": "us", "status": "done"}
+    assert summary["members"]["h1"]["status"] == "dead"
+    # h1's actor died with its node: its exit code is unknown; every other worker finished cleanly.
+    assert summary["worker_exit_codes"] == {"h0": 0, "h1": None, "h2": 0, "h3": 0, "h4": 0}
+    assert _host_nodes(run_dir)["h4"] not in placed.values()
+
+
+@pytest.mark.slow
+def test_a_hung_host_is_fenced_through_its_actor(tmp_path, cluster):
+    """hang_host SIGSTOPs h2's worker: the controller declares it dead and fences it; the fence goes
+    through h2's actor, whose SIGKILL ends the stopped process (exit code -9)."""
+    proc = ray_cli(tmp_path, cluster, "run.progress=plain", "faults=[hang_host:2@10]", steps=30, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    summary = read_summary(tmp_path)
+    assert summary["final_step"] == 30 and summary["restarts"] == 0 and summary["steps_lost"] == 0
+    assert [e["lost"] for e in summary["events"] if e["reason"] == "failure"] == [["h2"]]
+    assert summary["members"]["h2"]["status"] == "dead"
+    assert summary["worker_exit_codes"] == {"h0": 0, "h1": 0, "h2": -9, "h3": 0}
+
+
+@pytest.mark.slow
+def test_a_private_ray_instance_has_one_node_and_is_shut_down(tmp_path):
+    """runtime.ray_address "" starts a private one-node instance: a 4-host config is refused, and
+    the instance does not outlive the CLI."""
+    before = _raylets()
+    proc = run_cli("resilient_jax.train", "--config", CPU4, "--set", f"run.dir={tmp_path}",
+                   "--set", "runtime.launcher=ray", "--set", "train.steps=5", timeout=180)
+    error = assert_refused_before_training(proc, tmp_path)
+    assert "private Ray instance (runtime.ray_address \"\"): 1 of 1 alive nodes can run a worker, " \
+           "the config needs 4" in error and "runtime.ray_address=auto" in error
+    time.sleep(1)
+    assert _raylets() <= before
+
+
+def _raylets() -> set[int]:
+    found = set()
+    for pid in os.listdir("/proc"):
+        try:
+            if b"raylet" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]:
+                found.add(int(pid))
+        except (OSError, ValueError):
+            continue
+    return found
