@@ -178,7 +178,7 @@ class RuntimeConfig:
     # Stall deadline = max(stall_floor_seconds, stall_multiple x p95 of recent step times). A step
     # past it is reported to the controller, which decides: all members alive -> wait (backpressure).
     stall_floor_seconds: float = 2.0
-    stall_multiple: float = 10.0
+    stall_multiple: float = 5.0
     # A host whose own step time is >= straggler_factor x the others' (median over straggler_window
     # steps) is reslotted: replaced by a spare, or removed when the run is predicted faster without it.
     straggler_factor: float = 1.5

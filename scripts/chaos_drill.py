@@ -75,7 +75,7 @@ def plan(quick: bool) -> tuple[str, int, list[Scenario]]:
     # 6 hosts: h0,h1 in us, h2,h3 in eu, h4,h5 in ap.
     return config, steps, [
         Scenario("hardware fault", ("kill_host:0@20",)),
-        Scenario("network jitter", ("delay_host:4@15-16:6", "slow_host:3@25:6")),
+        Scenario("network jitter", ("delay_host:4@15-16:8", "slow_host:3@25:6")),
         Scenario("partial cluster loss", ("kill_region:eu@20",)),
         Scenario("data shard skew", ("nan_shard:3@20",)),
     ]

@@ -126,7 +126,10 @@ class Stall:
             "generation": self.generation, "step": self.step, "deadline_seconds": round(self.deadline_seconds, 3),
             "waited_seconds": round(max([self.longest_wait_seconds] + [t.step for t in (timings or {}).values()]), 3),
             "late_host": late, "late_by_seconds": round(timings[late].ready, 3) if late else None,
-            "response": f"waited: all {self.alive} members alive (backpressure, no failure declared)",
+            # Waited out when the step completed in this world; a step that never completed here was
+            # a member failing (a hang looks like a stall until its heartbeats time out).
+            "response": f"waited: all {self.alive} members alive (backpressure, no failure declared)" if timings
+            else "ended by a failure: the step did not complete in this generation (see events)",
         }
 
 
@@ -534,7 +537,7 @@ class Controller:
             "controller": self.url,
             "generation": None if world is None else world.generation,
             "world": None if world is None else world.to_dict(),
-            "step": max((m.step for m in self.members.values() if m.status == "active"), default=-1),
+            "step": max((m.step for m in self.members.values() if m.status in ("active", "done")), default=-1),
             "members": {h: {"region": m.region, "status": m.status, "step": m.step, "generation": m.generation,
                             "step_seconds": round(m.step_seconds, 4)}
                         for h, m in sorted(self.members.items())},
