@@ -80,11 +80,12 @@ def test_a_stall_with_every_member_alive_is_waited_out_and_a_dead_member_aborts_
         reply = _heartbeat(client, "h0", step=9, stalled_seconds=4.5, deadline_seconds=2.0,
                            timings=[[9, 0.01, 0.2, 0.0]])
         assert reply == {"reform_signal": 0, "abort": False}  # backpressure: keep waiting
+        _heartbeat(client, "h0", step=10, timings=[[10, 0.0, 4.6, 0.0]])  # ... and the step completes
         (stall,) = ctl.elastic_report()["stalls"]
         assert stall["step"] == 10 and stall["deadline_seconds"] == 2.0 and "all 2 members alive" in stall["response"]
         assert ctl.world.generation == 0
         ctl.mark_dead("h1", "process exited with code -9")
-        assert _heartbeat(client, "h0", step=9, stalled_seconds=5.0, deadline_seconds=2.0)["abort"] is True
+        assert _heartbeat(client, "h0", step=10, stalled_seconds=5.0, deadline_seconds=2.0)["abort"] is True
         assert len(ctl.elastic_report()["stalls"]) == 1  # a dead member is not a stall
     finally:
         ctl.close()
