@@ -382,13 +382,5 @@ def _position_from_dict(d: dict | None):
     return None if d is None else DataPosition.from_dict(d)
 
 
-def _topology(world: dict) -> dict:
-    return {
-        "generation": world["generation"],
-        "hosts": [{"host": h, "region": world["regions"][h], "devices": world["devices_per_host"][h]}
-                  for h in world["members"]],
-    }
-
-
 if __name__ == "__main__":
     sys.exit(main())
