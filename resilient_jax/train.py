@@ -80,10 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run(args)
     except KeyboardInterrupt:
-        # Ctrl-C before the training loop watches for it (start-up, compiling the first step):
-        # nothing of this run was committed yet, and nothing committed before is touched.
-        print("stopped (interrupted) before training started; rerun the same command to continue",
-              file=sys.stderr)
+        # Ctrl-C while the training loop does not watch for it (start-up, after the end): what was
+        # committed stays committed; the rerun continues from the newest checkpoint.
+        print("stopped (interrupted); rerun the same command to continue", file=sys.stderr)
         return INTERRUPTED_EXIT
     except ValueError as e:
         # ConfigError, DatasetError, RunLocked and start-up validation (mesh sizes, batch
@@ -111,16 +110,16 @@ def _run(args: argparse.Namespace) -> int:
                 print(f"error: the run failed: {e} (see {Path(cfg.run.dir) / 'elastic' / 'logs'})", file=sys.stderr)
                 return 1
         return 0 if summary.get("final_step") == cfg.train.steps else 1
-    setup_devices(cfg)
-    from resilient_jax.checkpoint.store import CheckpointSaveError
-    from resilient_jax.data import DatasetError
-    from resilient_jax.trainer import Trainer
-
-    allow = [k for k in args.allow_config_change.split(",") if k.strip()]
-    trainer = Trainer(cfg, resume=args.resume, allow_config_change=allow, stop_at=args.stop_at)
+    # The lock comes first: a second run into a busy run.dir is refused before it builds anything.
     with _locked(cfg):
+        setup_devices(cfg)
+        from resilient_jax.checkpoint.store import CheckpointSaveError
+        from resilient_jax.data import DatasetError
+        from resilient_jax.trainer import Trainer
+
+        allow = [k for k in args.allow_config_change.split(",") if k.strip()]
         try:
-            summary = trainer.run()
+            summary = Trainer(cfg, resume=args.resume, allow_config_change=allow, stop_at=args.stop_at).run()
         except (DatasetError, CheckpointSaveError) as e:
             raise ConfigError(str(e)) from None
     if summary.get("stopped") == INTERRUPTED:

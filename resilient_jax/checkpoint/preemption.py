@@ -64,5 +64,7 @@ class PreemptionWatch:
 
     def close(self) -> None:
         for signum, previous in self._previous.items():
+            if signum == signal.SIGINT and self.reason == INTERRUPTED:
+                continue  # interrupted: until the process exits, another Ctrl-C exits at once
             signal.signal(signum, previous)
         self._previous = {}
