@@ -218,3 +218,14 @@ def test_readme_config_table_is_the_generated_one():
     keys = [d.key for d in key_docs()]
     assert all(f"| `{k}` |" in table for k in keys) and len(table.splitlines()) == len(keys) + 2
     assert all(d.meaning for d in key_docs()), [d.key for d in key_docs() if not d.meaning]
+
+
+def test_resume_path_resolves_against_the_current_directory(tmp_path, monkeypatch):
+    from resilient_jax.train import build_config, parse_args
+
+    monkeypatch.chdir(tmp_path)
+    for given, expected in [("runs/x/checkpoints/10", str(tmp_path / "runs/x/checkpoints/10")),
+                            ("latest", "latest"), ("10", "10")]:
+        args = parse_args(["--config", str(TINY), "--resume", given])
+        build_config(args)
+        assert args.resume == expected
