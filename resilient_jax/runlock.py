@@ -9,7 +9,7 @@ run lives, so the kernel releases it the moment the holder dies, however it dies
                                          alive (delete the file once it is not)
 
 The lock is the first thing a run writes into run.dir; the file is removed when the run ends (and
-run.dir too, if this run created it and left it empty).
+the directories this run created for it, if it left them empty).
 """
 
 from __future__ import annotations
@@ -44,10 +44,13 @@ class RunLock:
         self.path = self.run_dir / LOCK_NAME
         self._fd: int | None = None
         self.took_over: dict | None = None  # the dead holder whose lock this run took over
-        self._created_dir = False
+        self._created_dirs: list[Path] = []  # made by acquire, deepest first: removed if left empty
 
     def acquire(self) -> "RunLock":
-        self._created_dir = not self.run_dir.exists()
+        missing = self.run_dir
+        while not missing.exists():
+            self._created_dirs.append(missing)
+            missing = missing.parent
         self.run_dir.mkdir(parents=True, exist_ok=True)
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -109,11 +112,11 @@ class RunLock:
             return
         try:
             self.path.unlink(missing_ok=True)
-            if self._created_dir:
-                try:  # a run that wrote nothing (it failed at start-up) leaves no empty run.dir
-                    self.run_dir.rmdir()
+            for created in self._created_dirs:  # a run that wrote nothing (it failed at start-up)
+                try:                              # leaves no empty run.dir behind
+                    created.rmdir()
                 except OSError:
-                    pass
+                    break
         finally:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)

@@ -102,6 +102,10 @@ def _one_error_line(proc) -> str:
     (["--config", str(TINY), "--set", "run.dir=/proc/self/rj-run"], "run.dir /proc/self/rj-run is not writable"),
     (["--config", str(TINY), "--set", "train.steps=-5"], "config key train.steps: must be >= 1, got -5"),
     (["--config", str(TINY), "--fault", "kill_host:1@5"], "fault kill_host:1@5: kill_host needs an elastic run"),
+    # Found later, while building the trainer (with run.dir locked): the lock and the directories
+    # it created are gone again.
+    (["--config", str(TINY), "--set", "data.global_batch=50", "--set", "run.dir=runs/deep/run"],
+     "data.global_batch (50) must be a positive multiple of parallel.virtual_shards (24)"),
 ])
 def test_cli_bad_input(workdir, extra, expected):
     before = tree(workdir)

@@ -21,13 +21,13 @@ def dead_pid() -> int:
 def test_lock_records_pid_and_host_and_is_removed_on_release(tmp_path):
     import os
 
-    run_dir = tmp_path / "run"
+    run_dir = tmp_path / "runs" / "run"
     with RunLock(run_dir) as lock:
         holder = json.loads((run_dir / LOCK_NAME).read_text())
         assert holder["pid"] == os.getpid() and holder["host"] == socket.gethostname()
         assert lock.took_over is None and lock.warning() is None
     assert not (run_dir / LOCK_NAME).exists()
-    assert not run_dir.exists()  # created by the lock and left empty: removed too
+    assert list(tmp_path.iterdir()) == []  # created by the lock and left empty: removed too
 
 
 def test_a_held_lock_refuses_a_second_holder_naming_the_first(tmp_path):
