@@ -97,6 +97,8 @@ def _run(args: argparse.Namespace) -> int:
         if args.resume or args.stop_at is not None or args.allow_config_change:
             raise ConfigError("--resume/--stop-at/--allow-config-change apply to single-process runs; an "
                               "elastic run resumes automatically from the checkpoints in its run.dir")
+    if args.stop_at is not None and args.stop_at < 1:
+        raise ConfigError(f"--stop-at {args.stop_at}: must be >= 1 (the number of steps after which to stop)")
     check_run(cfg)
     if cfg.topology.regions:
         # Several hosts: this process becomes the controller and never touches devices.

@@ -61,6 +61,7 @@ CASES = [
     (["--set", "run.dir=a-file/run"], "run.dir {cwd}/a-file/run: {cwd}/a-file is a file"),
     (["--set", "checkpoint.dir=a-file"], "checkpoint.dir {cwd}/a-file is a file"),
     (["--set", "run.dir=/proc/self/rj-run"], "run.dir /proc/self/rj-run is not writable"),
+    (["--stop-at", "0"], "--stop-at 0: must be >= 1"),
 ]
 
 

@@ -229,3 +229,17 @@ def test_resume_path_resolves_against_the_current_directory(tmp_path, monkeypatc
         args = parse_args(["--config", str(TINY), "--resume", given])
         build_config(args)
         assert args.resume == expected
+
+
+def test_the_readmes_data_commands_write_where_git_ignores():
+    import re
+    import subprocess
+
+    from conftest import REPO
+
+    readme = (REPO / "README.md").read_text()
+    outs = re.findall(r"python -m resilient_jax\.data prepare .*--out (\S+)", readme)
+    assert outs, "the README's prepare command moved"
+    for out in outs:
+        probe = f"{out}/manifest.json"
+        assert subprocess.run(["git", "check-ignore", "-q", probe], cwd=REPO).returncode == 0, probe
