@@ -13,7 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
+import io
 import json
+import os
+import re
+import sys
+import tokenize
 import types
 import typing
 from dataclasses import dataclass, field
@@ -31,12 +37,19 @@ class ConfigError(ValueError):
 class ModelConfig:
     """Decoder-only transformer shape. Byte-level data needs vocab_size >= 256."""
 
+    # Token ids are 0..vocab_size-1; at least the dataset's vocabulary.
     vocab_size: int = 256
+    # Width of the residual stream (a multiple of n_heads).
     d_model: int = 64
+    # Transformer blocks (RMSNorm, rotary causal attention, gated MLP).
     n_layers: int = 2
+    # Attention heads per block.
     n_heads: int = 4
+    # Hidden width of the gated MLP.
     d_ff: int = 176
+    # Dropout rate; keys are fold_in(fold_in(key(seed), step), virtual_shard).
     dropout: float = 0.0
+    # Rotary position embedding base.
     rope_base: float = 10000.0
     # Compute dtype of activations; parameters and optimizer state stay float32.
     dtype: Literal["float32", "bfloat16"] = "float32"
@@ -44,7 +57,9 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class ShardQuarantine:
+    # A data shard id of the dataset.
     shard: int = 0
+    # The first step whose global batch leaves the shard out.
     from_step: int = 0
 
 
@@ -52,11 +67,21 @@ class ShardQuarantine:
 class DataConfig:
     """Where samples come from. `dataset: ""` builds the default dataset in the cache on first use."""
 
+    # Dataset directory (relative paths are against the current directory); "" = the default
+    # dataset in $RESILIENT_JAX_CACHE (~/.cache/resilient_jax), built on first use.
     dataset: str = ""
+    # A directory named by data.dataset that holds no dataset is an error unless this is true
+    # (then it is built there from data.src); or build it with `python -m resilient_jax.data prepare`.
+    build_if_missing: bool = False
+    # Text to build a missing dataset from: a directory of text files, or "default" (the stdlib sources).
     src: str = "default"
+    # Data shards of a dataset that is built (a NaN shard is quarantined whole).
     shards: int = 16
+    # Tokens per training sequence (records hold seq_len + 1 tokens).
     seq_len: int = 64
+    # Tokenizer of a dataset that is built (`bytes`: one token per byte).
     tokenizer: str = "bytes"
+    # Sequences per step, the same whatever the host count (a multiple of parallel.virtual_shards).
     global_batch: int = 48
     # Batches loaded ahead of the step; a bounded queue, so a slow step applies backpressure.
     prefetch: int = 2
@@ -69,14 +94,21 @@ class DataConfig:
 class OptimizerConfig:
     """AdamW with linear warmup, cosine decay to lr * min_lr_ratio, and global-norm clipping."""
 
+    # Peak learning rate, reached after warmup_steps.
     lr: float = 3e-3
+    # The cosine decay ends at lr * min_lr_ratio on the last step of train.steps.
     min_lr_ratio: float = 0.1
+    # Steps of linear warmup from 0 to lr.
     warmup_steps: int = 20
+    # AdamW decoupled weight decay (not applied to norm scales).
     weight_decay: float = 0.1
+    # AdamW first-moment decay.
     b1: float = 0.9
+    # AdamW second-moment decay.
     b2: float = 0.95
+    # AdamW denominator epsilon.
     eps: float = 1e-8
-    # 0 turns clipping off.
+    # Global-norm gradient clipping threshold; 0 turns clipping off.
     clip_norm: float = 1.0
 
 
@@ -90,25 +122,33 @@ class ParallelConfig:
 
     # CPU emulation: number of host-platform devices, set before JAX initialises; 0 = what is there.
     devices: int = 0
+    # Data-parallel replicas (mesh axis `data`); -1 = the devices left over by fsdp and tensor.
     data: int = -1
+    # Parameter sharding within a replica (mesh axis `fsdp`).
     fsdp: int = 1
+    # Tensor parallelism within a replica (mesh axis `tensor`); fixed for a run's fingerprint.
     tensor: int = 1
     # The global batch is cut into this many fixed shards; the trajectory never depends on how
     # they are spread over devices (in `invariant` mode). Pick a number with many divisors.
     virtual_shards: int = 24
+    # `invariant`: order-fixed, topology-independent gradient sum; `native`: XLA's psum.
     reduction: Literal["invariant", "native"] = "invariant"
 
 
 @dataclass(frozen=True)
 class TrainConfig:
+    # Steps of the whole run (the LR schedule spans them); raise it on resume to continue a run.
     steps: int = 200
+    # Seed of every key (params init, dropout) and of the data order.
     seed: int = 0
+    # Write metrics every N steps (and on the last step).
     log_every: int = 10
 
 
 @dataclass(frozen=True)
 class RunConfig:
-    # Output directory: metrics.jsonl, TensorBoard events, config.json, summary.json.
+    # Output directory: metrics.jsonl, TensorBoard events, config.json, summary.json (relative
+    # paths are against the current directory). One run at a time: it holds run.lock while it runs.
     dir: str = "runs/default"
     # "auto": a live bar on a terminal, plain lines otherwise.
     progress: Literal["auto", "bar", "plain", "quiet"] = "auto"
@@ -118,15 +158,18 @@ class RunConfig:
 class CheckpointConfig:
     """When and where the seven-field checkpoint is written (see resilient_jax.checkpoint)."""
 
+    # Write checkpoints (and resume from them automatically).
     enabled: bool = True
     # "" = <run.dir>/checkpoints. A run whose checkpoint dir already holds checkpoints resumes.
     dir: str = ""
-    # Save after every N completed steps and/or every T seconds (0 = off); the last step and a
-    # preemption (SIGTERM) always save.
+    # Save after every N completed steps (0 = off); the last step and a preemption (SIGTERM,
+    # Ctrl-C) always save.
     every_steps: int = 50
+    # Also save when this many seconds passed since the last save (0 = off).
     every_seconds: float = 0.0
-    # Retention: the newest K (0 = all), plus every step that is a multiple of M (0 = none).
+    # Retention: keep the newest K checkpoints (0 = all) ...
     keep_last: int = 3
+    # ... plus every step that is a multiple of M (0 = none).
     keep_every: int = 0
     # Write in the background (training stalls only for the device-to-host copy).
     async_save: bool = True
@@ -136,7 +179,9 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class RegionConfig:
+    # Region name (fault specs like kill_region:NAME@STEP refer to it).
     name: str = "local"
+    # Worker hosts of the region in the first world.
     hosts: int = 1
     # Spare hosts: registered and warm, outside the world until one replaces a straggler or a lost host.
     spares: int = 0
@@ -150,7 +195,9 @@ class TopologyConfig:
     host (CPU emulation: each with `devices_per_host` devices); see resilient_jax.elastic.
     """
 
+    # [{name, hosts, spares}] per region; empty = a single-process run.
     regions: list[RegionConfig] = field(default_factory=list)
+    # Devices per worker host (CPU emulation: host-platform devices of each worker process).
     devices_per_host: int = 2
 
 
@@ -165,8 +212,11 @@ class RuntimeConfig:
     # The controller's control channel. Bound to loopback by default; any other address requires
     # a token (here or in $RESILIENT_JAX_TOKEN).
     bind: str = "127.0.0.1"
+    # The control channel's port; 0 = one the OS picks.
     port: int = 0
+    # Shared secret of the control channel (or $RESILIENT_JAX_TOKEN); required off loopback.
     token: str = ""
+    # How often each worker sends a heartbeat to the controller.
     heartbeat_seconds: float = 0.5
     # Liveness: a host whose heartbeats stop for this long is declared dead (and fenced); the
     # controller then aborts the world's in-flight collectives. Heartbeats run on their own thread,
@@ -178,10 +228,12 @@ class RuntimeConfig:
     # Stall deadline = max(stall_floor_seconds, stall_multiple x p95 of recent step times). A step
     # past it is reported to the controller, which decides: all members alive -> wait (backpressure).
     stall_floor_seconds: float = 2.0
+    # See stall_floor_seconds.
     stall_multiple: float = 5.0
     # A host whose own step time is >= straggler_factor x the others' (median over straggler_window
     # steps) is reslotted: replaced by a spare, or removed when the run is predicted faster without it.
     straggler_factor: float = 1.5
+    # See straggler_factor.
     straggler_window: int = 10
     # Fewer live hosts than this ends the run with an error instead of continuing.
     min_hosts: int = 1
@@ -189,6 +241,8 @@ class RuntimeConfig:
 
 @dataclass(frozen=True)
 class Config:
+    """A whole run: one field per section."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -209,6 +263,111 @@ class Config:
         return config_hash(self)
 
 
+# -- allowed values -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Bound:
+    """The allowed values of one numeric key: an interval, plus optional special values (e.g. -1)."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+    special: tuple[int, ...] = ()
+
+    def allows(self, value: float) -> bool:
+        if value in self.special:
+            return True
+        if self.lo is not None and (value <= self.lo if self.lo_open else value < self.lo):
+            return False
+        return not (self.hi is not None and (value >= self.hi if self.hi_open else value > self.hi))
+
+    def __str__(self) -> str:
+        lo, hi = _number(self.lo), _number(self.hi)
+        if self.lo is not None and self.hi is not None:
+            text = f"in {'(' if self.lo_open else '['}{lo}, {hi}{')' if self.hi_open else ']'}"
+        elif self.lo is not None:
+            text = f"{'>' if self.lo_open else '>='} {lo}"
+        elif self.hi is not None:
+            text = f"{'<' if self.hi_open else '<='} {hi}"
+        else:
+            text = "any number"
+        return " or ".join([*map(str, self.special), text])
+
+
+def _number(x: float | None) -> str:
+    return "" if x is None else str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+def _at_least(lo: float) -> Bound:
+    return Bound(lo=lo)
+
+
+def _positive() -> Bound:
+    return Bound(lo=0, lo_open=True)
+
+
+def _unit_open() -> Bound:
+    return Bound(lo=0, hi=1, hi_open=True)
+
+
+# Every int/float key (list items as `section.key[].field`) and what it may be; checked at load, so
+# a run never starts with a value it cannot use. tests/test_config.py checks that no numeric field
+# is missing here.
+RANGES: dict[str, Bound] = {
+    "model.vocab_size": _at_least(1),
+    "model.d_model": _at_least(1),
+    "model.n_layers": _at_least(1),
+    "model.n_heads": _at_least(1),
+    "model.d_ff": _at_least(1),
+    "model.dropout": _unit_open(),
+    "model.rope_base": _positive(),
+    "data.shards": _at_least(1),
+    "data.seq_len": _at_least(1),
+    "data.global_batch": _at_least(1),
+    "data.prefetch": _at_least(1),
+    "data.quarantine[].shard": _at_least(0),
+    "data.quarantine[].from_step": _at_least(0),
+    "optimizer.lr": _positive(),
+    "optimizer.min_lr_ratio": Bound(lo=0, hi=1),
+    "optimizer.warmup_steps": _at_least(0),
+    "optimizer.weight_decay": _at_least(0),
+    "optimizer.b1": _unit_open(),
+    "optimizer.b2": _unit_open(),
+    "optimizer.eps": _positive(),
+    "optimizer.clip_norm": _at_least(0),
+    "parallel.devices": _at_least(0),
+    "parallel.data": Bound(lo=1, special=(-1,)),
+    "parallel.fsdp": _at_least(1),
+    "parallel.tensor": _at_least(1),
+    "parallel.virtual_shards": _at_least(1),
+    "train.steps": _at_least(1),
+    "train.seed": Bound(lo=0, hi=2**32 - 1),
+    "train.log_every": _at_least(1),
+    "checkpoint.every_steps": _at_least(0),
+    "checkpoint.every_seconds": _at_least(0),
+    "checkpoint.keep_last": _at_least(0),
+    "checkpoint.keep_every": _at_least(0),
+    "topology.regions[].hosts": _at_least(1),
+    "topology.regions[].spares": _at_least(0),
+    "topology.devices_per_host": _at_least(1),
+    "runtime.port": Bound(lo=0, hi=65535),
+    "runtime.heartbeat_seconds": _positive(),
+    "runtime.dead_after_seconds": _positive(),
+    "runtime.collective_timeout_seconds": _at_least(1),
+    "runtime.stall_floor_seconds": _positive(),
+    "runtime.stall_multiple": _at_least(1),
+    "runtime.straggler_factor": Bound(lo=1, lo_open=True),
+    "runtime.straggler_window": _at_least(1),
+    "runtime.min_hosts": _at_least(1),
+}
+
+# Keys that name files or directories: resolved to absolute paths once, at load (orbax refuses
+# relative paths, and a run must not change meaning when a later process starts elsewhere).
+PATH_KEYS = ("run.dir", "checkpoint.dir", "data.dataset", "data.src")
+
+
 def config_hash(cfg: Config) -> str:
     """sha256 of the canonical JSON (sorted keys, no whitespace) of the resolved config."""
     canonical = json.dumps(cfg.to_dict(), sort_keys=True, separators=(",", ":"))
@@ -216,14 +375,33 @@ def config_hash(cfg: Config) -> str:
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
-    """Defaults <- YAML file <- `section.key=value` overrides, each value type-checked."""
+    """Defaults <- YAML file <- `section.key=value` overrides, each value type-checked and
+    range-checked; then every path key is made absolute against the current directory."""
     raw: dict[str, Any] = {}
     if path is not None:
         raw = _read_yaml(Path(path))
     for item in overrides:
         key, value = _parse_override(item)
         _set_dotted(raw, key, value)
-    return from_dict(raw)
+    return resolve_paths(from_dict(raw))
+
+
+def absolute_path(path: str) -> str:
+    """`path` made absolute against the current directory ("~" expanded, "." and ".." folded)."""
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def resolve_paths(cfg: Config) -> Config:
+    """The config with every path key absolute ("" and data.src "default" keep their meaning)."""
+    def fix(value: str) -> str:
+        return value if value in ("", "default") else absolute_path(value)
+
+    return dataclasses.replace(
+        cfg,
+        run=dataclasses.replace(cfg.run, dir=fix(cfg.run.dir)),
+        checkpoint=dataclasses.replace(cfg.checkpoint, dir=fix(cfg.checkpoint.dir)),
+        data=dataclasses.replace(cfg.data, dataset=fix(cfg.data.dataset), src=fix(cfg.data.src)),
+    )
 
 
 def from_dict(raw: dict[str, Any]) -> Config:
@@ -250,6 +428,8 @@ def diff_keys(a: Config | dict, b: Config | dict) -> list[str]:
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory; pass a YAML file, e.g. configs/tiny.yaml")
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
@@ -309,7 +489,14 @@ def _build(cls: type, raw: dict[str, Any], prefix: str) -> Any:
             kwargs[f.name] = _build(typ, value, prefix=f"{dotted}.")
         else:
             kwargs[f.name] = _coerce(value, typ, dotted)
+            _check_range(dotted, kwargs[f.name])
     return cls(**kwargs)
+
+
+def _check_range(key: str, value: Any) -> None:
+    bound = RANGES.get(re.sub(r"\[\d+\]", "[]", key))
+    if bound is not None and not bound.allows(value):
+        raise ConfigError(f"config key {key}: must be {bound}, got {value!r}")
 
 
 def _coerce(value: Any, typ: Any, key: str) -> Any:
@@ -365,3 +552,95 @@ def _coerce(value: Any, typ: Any, key: str) -> Any:
     else:  # pragma: no cover - a field type this module does not know is a programming error
         raise TypeError(f"config field {key} has unsupported type {typ}")
     raise ConfigError(f"config key {key}: expected {typ.__name__}, got {value!r}")
+
+
+# -- documentation ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KeyDoc:
+    key: str
+    default: Any
+    meaning: str
+    allowed: str
+
+
+def field_comments(cls: type) -> dict[str, str]:
+    """{field name: the comment block right above it (or after it), joined into one line}."""
+    source = inspect.getsource(cls)
+    comments: dict[str, str] = {}
+    pending: list[str] = []
+    for line in source.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            pending.append(stripped.lstrip("#").strip())
+            continue
+        match = re.match(r"^(\w+)\s*:", stripped)
+        if match and line.startswith("    ") and not line.startswith("        "):
+            trailing = _trailing_comment(line)
+            comments[match.group(1)] = " ".join(pending + ([trailing] if trailing else []))
+        pending = []
+    return comments
+
+
+def _trailing_comment(line: str) -> str:
+    try:
+        tokens = list(tokenize.generate_tokens(io.StringIO(line.strip() + "\n").readline))
+    except (tokenize.TokenError, SyntaxError):
+        return ""
+    return next((t.string.lstrip("#").strip() for t in tokens if t.type == tokenize.COMMENT), "")
+
+
+def key_docs(cls: type = None, prefix: str = "") -> list[KeyDoc]:
+    """Every key of the config in declaration order, with default, meaning and allowed values."""
+    cls = Config if cls is None else cls
+    hints = typing.get_type_hints(cls)
+    comments = field_comments(cls)
+    defaults = cls()
+    out: list[KeyDoc] = []
+    for f in dataclasses.fields(cls):
+        key, typ = f"{prefix}{f.name}", hints[f.name]
+        if dataclasses.is_dataclass(typ):
+            out.extend(key_docs(typ, f"{key}."))
+            continue
+        value = getattr(defaults, f.name)
+        item = typing.get_args(typ)[0] if typing.get_origin(typ) is list else None
+        if item is not None and dataclasses.is_dataclass(item):
+            out.append(KeyDoc(key, value, comments.get(f.name, ""), "list of mappings"))
+            out.extend(key_docs(item, f"{key}[]."))
+            continue
+        if typing.get_origin(typ) is Literal:
+            allowed = " or ".join(f"`{c}`" for c in typing.get_args(typ))
+        elif key in RANGES:
+            allowed = str(RANGES[key])
+        else:
+            allowed = {bool: "true or false", str: "text"}.get(typ, "list")
+        out.append(KeyDoc(key, value, comments.get(f.name, ""), allowed))
+    return out
+
+
+def markdown_table() -> str:
+    """The README's configuration table, generated from the dataclasses."""
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")
+
+    lines = ["| key | default | allowed | meaning |", "|---|---|---|---|"]
+    for doc in key_docs():
+        default = json.dumps(doc.default)
+        lines.append(f"| `{doc.key}` | `{default}` | {cell(doc.allowed)} | {cell(doc.meaning)} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m resilient_jax.config",
+                                     description="Print the configuration reference.")
+    parser.add_argument("--markdown-table", action="store_true", help="the README's table of every config key")
+    parser.parse_args(argv)
+    sys.stdout.write(markdown_table())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -2,8 +2,13 @@
 
 Checkpoints: a run whose checkpoint dir (checkpoint.dir, default <run.dir>/checkpoints) already
 holds checkpoints resumes from the newest; `--resume latest|STEP|PATH` names one explicitly.
-Exit codes: 0 done (or stopped by --stop-at), 2 bad input (one line on stderr), 143 preempted
-(SIGTERM: a checkpoint was committed first; rerun the same command to continue).
+Relative paths (run.dir, checkpoint.dir, data.dataset, --resume PATH) are against the current
+directory, resolved once at start; the absolute paths are what the run records.
+One run at a time per run.dir (`<run.dir>/run.lock`, see resilient_jax.runlock).
+Exit codes: 0 done (or stopped by --stop-at), 2 bad input (one line on stderr, nothing written),
+130 interrupted (Ctrl-C: a checkpoint was committed first; a second Ctrl-C exits without waiting),
+143 preempted (SIGTERM: a checkpoint was committed first). After 130 or 143, rerun the same command
+to continue.
 
 Thin on purpose: parse, set up devices, build a Trainer, run it. Everything else is importable.
 """
@@ -11,10 +16,16 @@ Thin on purpose: parse, set up devices, build a Trainer, run it. Everything else
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
+from pathlib import Path
 
-from resilient_jax.config import Config, ConfigError, load_config
-
+from resilient_jax.checkpoint.preemption import INTERRUPTED, INTERRUPTED_EXIT
+from resilient_jax.config import Config, ConfigError, absolute_path, load_config
+from resilient_jax.distributed import ENV_PROCESS_ID
+from resilient_jax.preflight import check_run
+from resilient_jax.runlock import RunLock
 
 PREEMPTED_EXIT = 143  # 128 + SIGTERM, what a scheduler expects of a process it terminated
 
@@ -40,7 +51,17 @@ def build_config(args: argparse.Namespace) -> Config:
     cfg = load_config(args.config, overrides)
     if args.faults:
         cfg = load_config(args.config, overrides + [f"faults={list(cfg.faults) + list(args.faults)!r}"])
+    if args.resume and args.resume != "latest" and not args.resume.isdigit():
+        args.resume = absolute_path(args.resume)  # a PATH: against this directory, like the config's paths
     return cfg
+
+
+def run_lock(cfg: Config) -> RunLock | None:
+    """The run.dir lock, taken by the process that owns run.dir: a single-process run, an elastic
+    run's controller, or process 0 of a fixed multi-process world (the others share its run.dir)."""
+    if os.environ.get(ENV_PROCESS_ID, "0") != "0":
+        return None
+    return RunLock(cfg.run.dir)
 
 
 def setup_devices(cfg: Config) -> None:
@@ -57,22 +78,42 @@ def setup_devices(cfg: Config) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        cfg = build_config(args)
-        if cfg.topology.regions:
-            # Several hosts: this process becomes the controller and never touches devices.
-            from resilient_jax.elastic.run import run_elastic
+        return _run(args)
+    except KeyboardInterrupt:
+        # Ctrl-C while the training loop does not watch for it (start-up, after the end): what was
+        # committed stays committed; the rerun continues from the newest checkpoint.
+        print("stopped (interrupted); rerun the same command to continue", file=sys.stderr)
+        return INTERRUPTED_EXIT
+    except ValueError as e:
+        # ConfigError, DatasetError, RunLocked and start-up validation (mesh sizes, batch
+        # divisibility, ...) all name the key or path in their one-line message.
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
-            if args.resume or args.stop_at is not None or args.allow_config_change:
-                raise ConfigError("--resume/--stop-at/--allow-config-change apply to single-process runs; an "
-                                  "elastic run resumes automatically from the checkpoints in its run.dir")
-            from resilient_jax.elastic.controller import RunFailed
 
+def _run(args: argparse.Namespace) -> int:
+    cfg = build_config(args)
+    if cfg.topology.regions:
+        if args.resume or args.stop_at is not None or args.allow_config_change:
+            raise ConfigError("--resume/--stop-at/--allow-config-change apply to single-process runs; an "
+                              "elastic run resumes automatically from the checkpoints in its run.dir")
+    if args.stop_at is not None and args.stop_at < 1:
+        raise ConfigError(f"--stop-at {args.stop_at}: must be >= 1 (the number of steps after which to stop)")
+    check_run(cfg)
+    if cfg.topology.regions:
+        # Several hosts: this process becomes the controller and never touches devices.
+        from resilient_jax.elastic.controller import RunFailed
+        from resilient_jax.elastic.run import run_elastic
+
+        with _locked(cfg):
             try:
                 summary = run_elastic(cfg)
             except RunFailed as e:
-                print(f"error: the run failed: {e} (see {cfg.run.dir}/elastic/logs)", file=sys.stderr)
+                print(f"error: the run failed: {e} (see {Path(cfg.run.dir) / 'elastic' / 'logs'})", file=sys.stderr)
                 return 1
-            return 0 if summary.get("final_step") == cfg.train.steps else 1
+        return 0 if summary.get("final_step") == cfg.train.steps else 1
+    # The lock comes first: a second run into a busy run.dir is refused before it builds anything.
+    with _locked(cfg):
         setup_devices(cfg)
         from resilient_jax.checkpoint.store import CheckpointSaveError
         from resilient_jax.data import DatasetError
@@ -83,14 +124,26 @@ def main(argv: list[str] | None = None) -> int:
             summary = Trainer(cfg, resume=args.resume, allow_config_change=allow, stop_at=args.stop_at).run()
         except (DatasetError, CheckpointSaveError) as e:
             raise ConfigError(str(e)) from None
-        if summary.get("stopped") == "preempted":
-            return PREEMPTED_EXIT
-    except ValueError as e:
-        # ConfigError and start-up validation (mesh sizes, batch divisibility, ...) both name the
-        # key in their message; ConfigError is a ValueError.
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if summary.get("stopped") == INTERRUPTED:
+        print(f"stopped (interrupted) at step {summary['final_step']}; rerun the same command to continue",
+              file=sys.stderr)
+        return INTERRUPTED_EXIT
+    if summary.get("stopped") == "preempted":
+        return PREEMPTED_EXIT
     return 0
+
+
+@contextlib.contextmanager
+def _locked(cfg: Config):
+    """Holds run.dir's lock (if this process owns run.dir) for the block; warns on a stale takeover."""
+    lock = run_lock(cfg)
+    if lock is None:
+        yield
+        return
+    with lock:
+        if lock.warning():
+            print(lock.warning(), file=sys.stderr)
+        yield
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ One step, as the loop runs it:
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +26,7 @@ from resilient_jax import state as state_lib
 from resilient_jax import step as step_lib
 from resilient_jax.checkpoint.session import CheckpointSession, rewind_metrics
 from resilient_jax.config import Config, DataConfig
+from resilient_jax.data.location import check_buildable
 from resilient_jax.fingerprinting import params_fingerprint
 from resilient_jax.metrics import MetricsLog
 from resilient_jax.model import count_params
@@ -40,18 +40,9 @@ class NonFiniteStepError(RuntimeError):
     """Gradients stayed non-finite after quarantining the data shards behind them."""
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("RESILIENT_JAX_CACHE", Path.home() / ".cache" / "resilient_jax"))
-
-
 def resolve_dataset(cfg: DataConfig) -> data_lib.Manifest:
-    """The configured dataset, built on first use; verified against its manifest before training."""
-    if cfg.dataset:
-        path = Path(cfg.dataset)
-    else:
-        path = cache_dir() / "datasets" / f"{cfg.src}-{cfg.tokenizer}-s{cfg.shards}-L{cfg.seq_len}"
-        if cfg.src != "default":
-            raise data_lib.DatasetError("data.dataset is required when data.src is not 'default'")
+    """The configured dataset, built on first use (see data.location); verified against its manifest."""
+    path = check_buildable(cfg)
     data_lib.ensure_dataset(path, src=cfg.src, shards=cfg.shards, seq_len=cfg.seq_len, tokenizer=cfg.tokenizer)
     return data_lib.verify_dataset(path)
 
@@ -223,10 +214,11 @@ class Trainer:
         self.compute.lower(state.params, tokens, weights, np.int32(0)).compile()
         self.apply.lower(state, grads, np.int32(0)).compile()
 
-    def checkpoints(self, *, generation: int = 0, regions: dict[int, str] | None = None) -> CheckpointSession:
+    def checkpoints(self, *, generation: int = 0, regions: dict[int, str] | None = None,
+                    interruptible: bool = False) -> CheckpointSession:
         return CheckpointSession(self.cfg, self.mesh, self.manifest.version, resume=self.resume,
                                  allow_config_change=self.allow_config_change, generation=generation,
-                                 regions=regions)
+                                 regions=regions, interruptible=interruptible)
 
     def restore(self, ckpt: CheckpointSession):
         """The checkpoint to resume from (validated), or None; closes `ckpt` if that fails."""
@@ -254,7 +246,7 @@ class Trainer:
         cfg = self.cfg
         start_wall = time.perf_counter()
         self.write_run_config()
-        ckpt = self.checkpoints()
+        ckpt = self.checkpoints(interruptible=True)  # Ctrl-C: checkpoint at the step boundary, stop
         resumed = self.restore(ckpt)
         start = resumed.step if resumed else 0
         # Steps after the checkpoint run again; keep one metrics record per step (see rewind_metrics).
@@ -280,7 +272,7 @@ class Trainer:
                 state = loop.step(state, step)
                 step += 1
                 if loop.preempted:
-                    stopped = "preempted"
+                    stopped = ckpt.stop_reason or "preempted"
                     break
             if stopped is None and end < cfg.train.steps:
                 stopped = "stop_at"

@@ -154,7 +154,7 @@ def test_unwritable_checkpoint_dir_fails_at_start_by_name(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     line = assert_one_error_line(train_cli(tmp_path / "run", f"checkpoint.dir={blocker / 'ckpt'}"),
-                                 "checkpoint.dir: is not writable")
+                                 "checkpoint.dir", "is a file, so the directory cannot be created")
     assert str(blocker / "ckpt") in line
 
 

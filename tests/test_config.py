@@ -85,3 +85,161 @@ def test_cli_missing_config_file(tmp_path):
     assert proc.returncode != 0
     lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
     assert len(lines) == 1 and "missing.yaml" in lines[0], proc.stderr
+
+
+# -- ranges, paths, the generated reference -------------------------------------------------------
+
+
+def _numeric_keys(cls=None, prefix=""):
+    import dataclasses
+    import typing
+
+    cls = Config if cls is None else cls
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        typ = hints[f.name]
+        args = typing.get_args(typ)
+        if dataclasses.is_dataclass(typ):
+            yield from _numeric_keys(typ, f"{prefix}{f.name}.")
+        elif typing.get_origin(typ) is list and args and dataclasses.is_dataclass(args[0]):
+            yield from _numeric_keys(args[0], f"{prefix}{f.name}[].")
+        elif typ in (int, float):
+            yield f"{prefix}{f.name}"
+
+
+def test_every_numeric_key_has_a_range_and_the_defaults_are_in_it():
+    from resilient_jax.config import RANGES, key_docs
+
+    numeric = set(_numeric_keys())
+    assert numeric - RANGES.keys() == set(), "numeric keys without a range"
+    assert RANGES.keys() - numeric == set(), "ranges for keys that do not exist"
+    defaults = {d.key: d.default for d in key_docs()}
+    for key, bound in RANGES.items():
+        assert bound.allows(defaults[key]), (key, defaults[key], str(bound))
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("train.steps=0", "train.steps"),
+        ("train.log_every=0", "train.log_every"),
+        ("train.seed=-1", "train.seed"),
+        ("model.dropout=1", "model.dropout"),
+        ("model.dropout=-0.1", "model.dropout"),
+        ("model.d_model=0", "model.d_model"),
+        ("optimizer.lr=0", "optimizer.lr"),
+        ("optimizer.lr=-1e-3", "optimizer.lr"),
+        ("optimizer.warmup_steps=-1", "optimizer.warmup_steps"),
+        ("optimizer.b2=1", "optimizer.b2"),
+        ("optimizer.min_lr_ratio=1.5", "optimizer.min_lr_ratio"),
+        ("optimizer.clip_norm=-1", "optimizer.clip_norm"),
+        ("parallel.virtual_shards=0", "parallel.virtual_shards"),
+        ("parallel.data=0", "parallel.data"),
+        ("parallel.data=-2", "parallel.data"),
+        ("parallel.devices=-1", "parallel.devices"),
+        ("data.prefetch=0", "data.prefetch"),
+        ("data.global_batch=0", "data.global_batch"),
+        ("data.quarantine=[{shard: -1, from_step: 0}]", "data.quarantine[0].shard"),
+        ("checkpoint.every_steps=-1", "checkpoint.every_steps"),
+        ("checkpoint.every_seconds=-5", "checkpoint.every_seconds"),
+        ("checkpoint.keep_last=-1", "checkpoint.keep_last"),
+        ("topology.regions=[{name: a, hosts: 0}]", "topology.regions[0].hosts"),
+        ("runtime.port=70000", "runtime.port"),
+        ("runtime.straggler_factor=1", "runtime.straggler_factor"),
+        ("runtime.heartbeat_seconds=0", "runtime.heartbeat_seconds"),
+        ("runtime.min_hosts=0", "runtime.min_hosts"),
+    ],
+)
+def test_out_of_range_value_names_the_key_and_the_range(override, key):
+    with pytest.raises(ConfigError) as err:
+        load_config(TINY, [override])
+    message = str(err.value)
+    assert message.startswith(f"config key {key}: must be ") and "\n" not in message, message
+
+
+def test_boundary_values_are_accepted():
+    cfg = load_config(TINY, ["train.steps=1", "model.dropout=0", "optimizer.warmup_steps=0", "parallel.data=-1",
+                             "checkpoint.every_steps=0", "optimizer.min_lr_ratio=1"])
+    assert cfg.train.steps == 1 and cfg.model.dropout == 0.0
+
+
+def test_relative_paths_resolve_against_the_current_directory_once(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(TINY, ["checkpoint.dir=ck", "data.dataset=data/ds", "data.src=texts"])
+    assert cfg.run.dir == str(tmp_path / "runs" / "tiny")  # tiny.yaml's relative run.dir
+    assert cfg.checkpoint.dir == str(tmp_path / "ck")
+    assert cfg.data.dataset == str(tmp_path / "data" / "ds") and cfg.data.src == str(tmp_path / "texts")
+    # Empty and the named default keep their meaning; an absolute path stays as it is.
+    default = load_config(TINY, ["run.dir=/abs/run"])
+    assert default.checkpoint.dir == "" and default.data.dataset == "" and default.data.src == "default"
+    assert default.run.dir == "/abs/run"
+    assert load_config(TINY, ["run.dir=a/../b/./c"]).run.dir == str(tmp_path / "b" / "c")
+
+
+def test_config_dir_instead_of_a_file_is_one_line(tmp_path):
+    with pytest.raises(ConfigError, match=f"config file {tmp_path} is a directory"):
+        load_config(tmp_path)
+
+
+def test_resume_from_another_directory_is_not_refused_for_its_paths(tmp_path, monkeypatch):
+    """The same relative config loaded in two directories differs only in path keys: operational,
+    recorded as a change, never refused (the dataset version is checked on its own)."""
+    from resilient_jax.checkpoint.validate import _check_config, ResumeDecision
+
+    monkeypatch.chdir(tmp_path)
+    here = load_config(TINY, ["data.dataset=data/ds", "checkpoint.dir=ck"])
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    there = load_config(TINY, ["data.dataset=data/ds", "checkpoint.dir=ck", "data.build_if_missing=true"])
+    assert here.hash != there.hash
+    decision = ResumeDecision(step=10)
+    saved = {"hash": here.hash, "config": here.to_dict()}
+    _check_config("ckpt", saved, {"hash": there.hash, "config": there.to_dict()}, (), decision)
+    assert decision.config_changes == ["checkpoint.dir", "data.build_if_missing", "data.dataset", "run.dir"]
+    assert decision.history.config[-1]["allowed"] == []  # none of them needed an allowance
+    # ... while a trajectory key is still refused.
+    from resilient_jax.checkpoint.reader import CheckpointError
+
+    lr = load_config(TINY, ["optimizer.lr=1e-3"])
+    with pytest.raises(CheckpointError, match="optimizer.lr"):
+        _check_config("ckpt", saved, {"hash": lr.hash, "config": lr.to_dict()}, (), ResumeDecision(step=10))
+
+
+def test_readme_config_table_is_the_generated_one():
+    """README.md holds `python -m resilient_jax.config --markdown-table` verbatim: every key, its
+    default, allowed values and meaning, so README and code cannot drift."""
+    from resilient_jax.config import key_docs, markdown_table
+
+    from conftest import REPO
+
+    readme = (REPO / "README.md").read_text()
+    table = markdown_table()
+    assert table in readme, "README's config table is stale: paste `python -m resilient_jax.config --markdown-table`"
+    keys = [d.key for d in key_docs()]
+    assert all(f"| `{k}` |" in table for k in keys) and len(table.splitlines()) == len(keys) + 2
+    assert all(d.meaning for d in key_docs()), [d.key for d in key_docs() if not d.meaning]
+
+
+def test_resume_path_resolves_against_the_current_directory(tmp_path, monkeypatch):
+    from resilient_jax.train import build_config, parse_args
+
+    monkeypatch.chdir(tmp_path)
+    for given, expected in [("runs/x/checkpoints/10", str(tmp_path / "runs/x/checkpoints/10")),
+                            ("latest", "latest"), ("10", "10")]:
+        args = parse_args(["--config", str(TINY), "--resume", given])
+        build_config(args)
+        assert args.resume == expected
+
+
+def test_the_readmes_data_commands_write_where_git_ignores():
+    import re
+    import subprocess
+
+    from conftest import REPO
+
+    readme = (REPO / "README.md").read_text()
+    outs = re.findall(r"python -m resilient_jax\.data prepare .*--out (\S+)", readme)
+    assert outs, "the README's prepare command moved"
+    for out in outs:
+        probe = f"{out}/manifest.json"
+        assert subprocess.run(["git", "check-ignore", "-q", probe], cwd=REPO).returncode == 0, probe

@@ -11,7 +11,7 @@ runbooks/checkpoint-format.md. Modules, one concern each:
 - `topology`    the topology field (hosts, regions, mesh, generation) and how two compare
 - `validate`    may a checkpoint continue this run? (dataset, config, rng, topology, commit rules)
 - `policy`      SavePolicy: every N steps / T seconds, keep the last K plus every M-th
-- `preemption`  SIGTERM -> the step every process stops and saves at
+- `preemption`  SIGTERM (and Ctrl-C, single process) -> the step every process stops and saves at
 - `store`       CheckpointStore: the orbax CheckpointManager, async save, restore with resharding
 - `orbax_errors` quieting orbax's leftovers after a failed save/restore (one line, not pages)
 - `session`     CheckpointSession: what the trainer calls (resume, save when due, finish)

@@ -74,7 +74,9 @@ class SessionStats:
 class CheckpointSession:
     def __init__(self, cfg: Config, mesh, dataset_version: str, *, resume: str | None = None,
                  allow_config_change: Sequence[str] = (), clock: Callable[[], float] = time.monotonic,
-                 generation: int = 0, regions: dict[int, str] | None = None):
+                 generation: int = 0, regions: dict[int, str] | None = None, interruptible: bool = False):
+        """`interruptible`: Ctrl-C (SIGINT) stops at the next step boundary with a checkpoint, as
+        SIGTERM does (see PreemptionWatch); for a single-process run in the foreground."""
         import jax
 
         self.cfg = cfg
@@ -94,7 +96,7 @@ class CheckpointSession:
         if cfg.checkpoint.enabled:
             self.store = CheckpointStore(self.root, async_save=cfg.checkpoint.async_save, keep=self.policy.keep)
             self.stats.removed_temporary = [str(p) for p in self.store.removed_temporary]
-        self.preemption = PreemptionWatch()
+        self.preemption = PreemptionWatch(interruptible=interruptible)
         self._last_saved: int | None = None
         self._closed = False
 
@@ -207,8 +209,13 @@ class CheckpointSession:
         self._last_saved = step
         self.policy.saved(step)
 
+    @property
+    def stop_reason(self) -> str | None:
+        """Why the run stopped early: "preempted" (SIGTERM) or "interrupted" (Ctrl-C); None if not."""
+        return self.preemption.reason
+
     def after_step(self, step: int, state, position: DataPosition) -> bool:
-        """After `step` completed steps: save if due; True if preempted (saved, stop now)."""
+        """After `step` completed steps: save if due; True if preempted or interrupted (saved, stop now)."""
         if self.preemption.reached(step):
             self.save(step, state, position, wait=True)
             return True

@@ -10,8 +10,10 @@ Pure functions on the context dicts (no JAX), one rule per field:
     provenance  another commit sha                            -> warn; record
 
 Keys that cannot change the trajectory (OPERATIONAL: where output goes, how progress shows, when
-checkpoints are written) are recorded like any change but need no allowance: refusing a resume
-because the progress bar or the run directory changed would protect nothing. Likewise keys that
+checkpoints are written, where the data is read from) are recorded like any change but need no
+allowance: refusing a resume because the progress bar, the run directory or the dataset's path
+changed would protect nothing. Paths are absolute (resolved at config load), so the same run
+resumed from another directory records the new path instead of refusing it. Likewise keys that
 newer code added, absent from the saved config and at their default value now. Naming a key in
 --allow-config-change that did not change is only a warning, so a wrapper that always passes the
 flag keeps working once the change has been recorded.
@@ -34,7 +36,12 @@ from resilient_jax.config import Config, diff_keys
 # are a topology change, not a config change: the state is resharded onto the new mesh and the
 # change recorded in the topology field -- in invariant mode the trajectory does not move.
 LAYOUT = ("parallel.devices", "parallel.data", "parallel.fsdp", "parallel.tensor", "topology.", "runtime.")
-OPERATIONAL = ("run.", "checkpoint.", "train.log_every", "data.prefetch", *LAYOUT)
+# Where the data is read from (data.dataset, data.src, data.build_if_missing) is operational too:
+# what the run trains on is pinned by the dataset version, which is checked on its own (above), so a
+# dataset moved to another directory, or the same relative path resolved from another directory,
+# resumes; another dataset is refused by its version whatever its path.
+DATA_LOCATION = ("data.dataset", "data.src", "data.build_if_missing")
+OPERATIONAL = ("run.", "checkpoint.", "train.log_every", "data.prefetch", *DATA_LOCATION, *LAYOUT)
 
 
 def is_operational(key: str) -> bool:

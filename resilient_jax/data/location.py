@@ -1,0 +1,43 @@
+"""Where a run's dataset lives, and whether a run may build it there.
+
+`data.dataset: ""` is the default dataset in the cache ($RESILIENT_JAX_CACHE, else
+~/.cache/resilient_jax), built on first use. A directory the user names is their dataset: if it
+holds none, that is an error naming it (most likely a typo or a dataset not prepared yet) unless
+`data.build_if_missing: true` asks for it to be built there.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from resilient_jax.config import DataConfig
+from resilient_jax.data.errors import DatasetError
+from resilient_jax.data.manifest import MANIFEST_NAME
+from resilient_jax.data.sources import DEFAULT_SOURCE
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("RESILIENT_JAX_CACHE", Path.home() / ".cache" / "resilient_jax"))
+
+
+def dataset_dir(cfg: DataConfig) -> Path:
+    """The dataset directory of `cfg` (the configured one, or the default dataset's in the cache)."""
+    if cfg.dataset:
+        return Path(cfg.dataset)
+    if cfg.src != DEFAULT_SOURCE:
+        raise DatasetError("data.dataset is required when data.src is not 'default' (the directory to build it in)")
+    return cache_dir() / "datasets" / f"{cfg.src}-{cfg.tokenizer}-s{cfg.shards}-L{cfg.seq_len}"
+
+
+def check_buildable(cfg: DataConfig) -> Path:
+    """The dataset directory, refusing a named directory without a dataset unless it may be built."""
+    path = dataset_dir(cfg)
+    if cfg.dataset and not cfg.build_if_missing and not (path / MANIFEST_NAME).is_file():
+        what = "does not exist" if not path.exists() else f"holds no dataset ({MANIFEST_NAME})"
+        raise DatasetError(
+            f"data.dataset {path} {what}; build it with `python -m resilient_jax.data prepare --src {cfg.src} "
+            f"--out {path} --shards {cfg.shards} --seq-len {cfg.seq_len}`, "
+            "or set data.build_if_missing: true to build it there on first run"
+        )
+    return path

@@ -1,0 +1,87 @@
+"""Start-up checks of a run that need more than one config key: made before any work is done and
+before anything is written, so a run that cannot work fails at once with one line (exit 2).
+
+- faults that can never fire: a step at or past train.steps, a host fault on a single-process run,
+  a data shard id the dataset does not have, a region the topology does not have;
+- data: a named dataset directory without a dataset (unless data.build_if_missing), quarantined
+  shard ids the dataset does not have;
+- outputs: run.dir / checkpoint.dir that is a file, or that cannot be written.
+
+Single-key ranges are checked earlier, when the config loads (config.RANGES).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from resilient_jax.config import Config, ConfigError
+from resilient_jax.faults import Fault, parse_faults
+
+# Faults a worker process fires on itself or the controller acts on: they need an elastic run.
+HOST_FAULTS = ("kill_host", "kill_region", "hang_host", "join_host", "delay_host", "slow_host")
+
+
+def check_run(cfg: Config) -> None:
+    """Raises ConfigError / DatasetError (both ValueError, one line) for a run that cannot work."""
+    faults = parse_faults(cfg.faults)
+    check_faults(cfg, faults)
+    shards = dataset_shard_count(cfg)
+    for fault in faults:
+        if fault.kind == "nan_shard" and int(fault.target) >= shards:
+            raise ConfigError(f"fault {fault}: the dataset has {shards} shards (0..{shards - 1}), so shard "
+                              f"{fault.target} can never be poisoned")
+    for i, q in enumerate(cfg.data.quarantine):
+        if q.shard >= shards:
+            raise ConfigError(f"config key data.quarantine[{i}].shard: the dataset has {shards} shards "
+                              f"(0..{shards - 1}), got {q.shard}")
+    check_output_dir("run.dir", cfg.run.dir)
+    if cfg.checkpoint.dir:
+        check_output_dir("checkpoint.dir", cfg.checkpoint.dir)
+
+
+def check_faults(cfg: Config, faults: list[Fault]) -> None:
+    steps = cfg.train.steps
+    regions = [r.name for r in cfg.topology.regions]
+    for fault in faults:
+        if fault.step >= steps:
+            raise ConfigError(f"fault {fault}: step {fault.step} is past the run's last step {steps - 1} "
+                              f"(train.steps {steps}), so it can never fire")
+        if fault.kind in HOST_FAULTS and not regions:
+            raise ConfigError(f"fault {fault}: {fault.kind} needs an elastic run (topology.regions); this "
+                              "config trains in one process, so it can never fire")
+        if fault.kind == "kill_region" and fault.target not in regions:
+            raise ConfigError(f"fault {fault}: no region named {fault.target!r} (topology.regions: "
+                              f"{', '.join(regions)})")
+
+
+def dataset_shard_count(cfg: Config) -> int:
+    """The shard count of the dataset the run will read: its manifest's, or the one it will build."""
+    from resilient_jax.data.location import check_buildable
+    from resilient_jax.data.manifest import MANIFEST_NAME, load_manifest
+
+    path = check_buildable(cfg.data)
+    if (path / MANIFEST_NAME).is_file():
+        return len(load_manifest(path).shards)
+    return cfg.data.shards
+
+
+def check_output_dir(key: str, path: str) -> None:
+    """`path` is a directory this process can write, or can be created as one; writes nothing."""
+    target = Path(path)
+    if target.exists() and not target.is_dir():
+        raise ConfigError(f"{key} {target} is a file, not a directory; pick another --set {key}=...")
+    existing = target
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"{key} {target}: {existing} is a file, so the directory cannot be created; "
+                          f"pick another --set {key}=...")
+    try:  # a probe, removed at once: permissions alone do not say (root, read-only mounts)
+        fd, probe = tempfile.mkstemp(dir=existing, prefix=".resilient_jax-write-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(f"{key} {target} is not writable ({e.strerror} in {existing}); pick another "
+                          f"--set {key}=...") from None

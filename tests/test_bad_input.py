@@ -1,0 +1,133 @@
+"""Bad input to `python -m resilient_jax.train`: exit 2, one stderr line naming the key, fault or
+path, no traceback, nothing written.
+
+Most cases call `train.main` in this process (validation happens before JAX is touched, so they
+take milliseconds); a few go through a real subprocess, where what the user sees matters.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from resilient_jax import train
+
+from conftest import REPO, TINY, run_cli
+
+
+def tree(root: Path) -> dict[str, bytes | None]:
+    """Every path under `root` with its bytes (None for directories)."""
+    return {str(p.relative_to(root)): (None if p.is_dir() else p.read_bytes()) for p in sorted(root.rglob("*"))}
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    """An empty current directory (relative paths land here) with a file and an empty dir in it."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a-file").write_text("precious\n")
+    (tmp_path / "empty-dir").mkdir()
+    return tmp_path
+
+
+CASES = [
+    # (extra argv, text the one line must contain)
+    (["--set", "train.steps=0"], "config key train.steps: must be >= 1, got 0"),
+    (["--set", "model.dropout=1"], "config key model.dropout: must be in [0, 1)"),
+    (["--set", "model.dropout=-0.5"], "config key model.dropout"),
+    (["--set", "optimizer.lr=-0.001"], "config key optimizer.lr: must be > 0"),
+    (["--set", "optimizer.lr=0"], "config key optimizer.lr"),
+    (["--set", "train.log_every=0"], "config key train.log_every"),
+    (["--set", "parallel.virtual_shards=0"], "config key parallel.virtual_shards"),
+    (["--set", "optimizer.warmup_steps=-3"], "config key optimizer.warmup_steps"),
+    (["--set", "checkpoint.every_steps=-1"], "config key checkpoint.every_steps"),
+    (["--set", "data.prefetch=0"], "config key data.prefetch"),
+    (["--fault", "nan_shard:16@3"], "fault nan_shard:16@3: the dataset has 16 shards"),
+    (["--fault", "nan_shard:3@200"], "fault nan_shard:3@200: step 200 is past the run's last step 199"),
+    (["--fault", "kill_host:0@5"], "fault kill_host:0@5: kill_host needs an elastic run"),
+    (["--fault", "hang_host:0@5"], "fault hang_host:0@5: hang_host needs an elastic run"),
+    (["--fault", "delay_host:0@5-6:1"], "fault delay_host:0@5-6:1: delay_host needs an elastic run"),
+    (["--fault", "slow_host:0@5:2"], "fault slow_host:0@5:2: slow_host needs an elastic run"),
+    (["--fault", "kill_region:eu@5"], "fault kill_region:eu@5: kill_region needs an elastic run"),
+    (["--fault", "join_host@5"], "fault join_host@5: join_host needs an elastic run"),
+    (["--set", "data.quarantine=[{shard: 16, from_step: 0}]"], "config key data.quarantine[0].shard"),
+    (["--set", "data.dataset=data/typo"], "data.dataset {cwd}/data/typo does not exist"),
+    (["--set", "data.dataset=empty-dir"], "data.dataset {cwd}/empty-dir holds no dataset"),
+    (["--set", "run.dir=a-file"], "run.dir {cwd}/a-file is a file"),
+    (["--set", "run.dir=a-file/run"], "run.dir {cwd}/a-file/run: {cwd}/a-file is a file"),
+    (["--set", "checkpoint.dir=a-file"], "checkpoint.dir {cwd}/a-file is a file"),
+    (["--set", "run.dir=/proc/self/rj-run"], "run.dir /proc/self/rj-run is not writable"),
+    (["--stop-at", "0"], "--stop-at 0: must be >= 1"),
+]
+
+
+@pytest.mark.parametrize("extra, expected", CASES, ids=[" ".join(c[0]) for c in CASES])
+def test_bad_input_is_one_line_exit_2_nothing_written(workdir, capsys, extra, expected):
+    before = tree(workdir)
+    code = train.main(["--config", str(TINY), "--set", "run.dir=runs/tiny", *extra])
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert code == 2, err
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert expected.format(cwd=workdir) in lines[0], lines[0]
+    assert tree(workdir) == before  # nothing written, the file and the dir untouched
+
+
+def test_missing_dataset_line_says_how_to_build_it(workdir, capsys):
+    assert train.main(["--config", str(TINY), "--set", "data.dataset=data/stdlib"]) == 2
+    line = capsys.readouterr().err.strip()
+    assert "python -m resilient_jax.data prepare --src default --out " in line and "data.build_if_missing: true" in line
+    assert not (workdir / "data").exists() and not (workdir / "runs").exists()
+
+
+def _cli(cwd: Path, *args: str, timeout: float = 120):
+    return subprocess.run([sys.executable, "-m", "resilient_jax.train", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def _one_error_line(proc) -> str:
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--config", "."], "config file . is a directory"),
+    (["--config", str(TINY), "--set", "run.dir=a-file"], "run.dir {cwd}/a-file is a file"),
+    (["--config", str(TINY), "--set", "run.dir=/proc/self/rj-run"], "run.dir /proc/self/rj-run is not writable"),
+    (["--config", str(TINY), "--set", "train.steps=-5"], "config key train.steps: must be >= 1, got -5"),
+    (["--config", str(TINY), "--fault", "kill_host:1@5"], "fault kill_host:1@5: kill_host needs an elastic run"),
+    # Found later, while building the trainer (with run.dir locked): the lock and the directories
+    # it created are gone again.
+    (["--config", str(TINY), "--set", "data.global_batch=50", "--set", "run.dir=runs/deep/run"],
+     "data.global_batch (50) must be a positive multiple of parallel.virtual_shards (24)"),
+])
+def test_cli_bad_input(workdir, extra, expected):
+    before = tree(workdir)
+    line = _one_error_line(_cli(workdir, *extra))
+    assert expected.format(cwd=workdir) in line, line
+    assert tree(workdir) == before
+
+
+def test_cli_run_dir_in_use_names_the_holder_and_leaves_it_alone(workdir):
+    """A live holder (a process holding run.lock) refuses a second run; its lock survives."""
+    run_dir = workdir / "runs" / "tiny"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from resilient_jax.runlock import RunLock; "
+                               f"RunLock({str(run_dir)!r}).acquire(); print('held', flush=True); time.sleep(120)"],
+        stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        lock_before = (run_dir / "run.lock").read_bytes()
+        line = _one_error_line(_cli(workdir, "--config", str(TINY)))  # tiny.yaml: run.dir runs/tiny
+        assert f"run.dir {run_dir} is in use by another run (pid {holder.pid} on host" in line, line
+        assert (run_dir / "run.lock").read_bytes() == lock_before and sorted(os.listdir(run_dir)) == ["run.lock"]
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
