@@ -98,9 +98,13 @@ def describe(record: dict[str, Any]) -> str:
     """An event as a sentence for the console (metrics.jsonl keeps the record itself)."""
     kind, step = record.get("event", "event"), record.get("step")
     if kind == "resume":
+        after, lost = record.get("after"), record.get("steps_lost") or 0
+        why = {None: "", "unknown": "", "crash": " after a crash (a restart)", "done": " after the finished run"}
+        text = f"resumed at step {step} from {record.get('checkpoint')}{why.get(after, f' after a clean stop ({after})')}"
+        if lost:
+            text += f"; {lost} completed steps run again"
         dropped = record.get("dropped_metrics") or 0
-        tail = f"; dropped {dropped} metrics records of later steps (they run again)" if dropped else ""
-        return f"resumed at step {step} from {record.get('checkpoint')}{tail}"
+        return text + (f"; dropped {dropped} metrics records of later steps" if dropped else "")
     if kind == "config_change":
         changes = ", ".join(f"{k} {record['from'].get(k)!r} -> {record['to'].get(k)!r}" for k in record.get("keys", []))
         allowed = record.get("allowed") or []
@@ -163,6 +167,9 @@ class MetricsLog:
         for name, value in values.items():
             if value is not None:
                 self._tb.add_scalar(f"train/{name}", value, step)
+        # Out of tensorboardX's queue now, like the line-buffered JSONL: a crash must not lose steps
+        # up to the checkpoint it resumes from (the purge on resume only hides the later ones).
+        self._tb.flush()
         if self._bar is not None:
             self._bar.set_postfix_str(
                 f"loss={_num(values.get('loss'))} lr={_num(values.get('lr'))} tok/s={_num(values.get('tokens_per_s'))}",

@@ -289,7 +289,9 @@ class Trainer:
         if resumed:
             for event in resumed.decision.events(resumed.path):
                 if event["event"] == "resume":
-                    event = {**event, "dropped_metrics": log.dropped, "after": history.current.reason}
+                    last = history.resumes()[-1]
+                    event = {**event, "dropped_metrics": log.dropped, "after": last["reason"],
+                             "steps_lost": last["steps_lost"]}
                 log.event(event)
             for warning in resumed.decision.warnings:
                 log.console(f"warning: {warning}")

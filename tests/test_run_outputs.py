@@ -7,7 +7,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import pty
 import signal
 import struct
 import subprocess
@@ -78,6 +77,7 @@ def test_every_step_once_in_metrics_and_tensorboard_after_resuming_from_an_older
     assert tensorboard_steps(run_dir, "train/tokens_per_s") == list(range(1, STEPS + 1))
     resume = next(r for r in metrics_records(run_dir) if r.get("event") == "resume")
     assert resume["step"] == OLDER and resume["dropped_metrics"] == STOP - OLDER and resume["after"] == "stop_at"
+    assert resume["steps_lost"] == STOP - OLDER
 
 
 def test_summary_describes_the_whole_run(resumed_run):
@@ -181,7 +181,7 @@ def test_sigkill_counts_a_restart_and_the_steps_lost(tmp_path, default_dataset):
     assert summary["restarts"] == 1 and summary["steps_lost"] == killed_at - OLDER
     assert summary["first_loss"] == metrics_records(run_dir)[1]["loss"]  # [0] is the compile event
     assert logged_steps(run_dir) == tensorboard_steps(run_dir) == list(range(1, STEPS + 1))
-    assert f"resumed at step 20 from {run_dir / 'checkpoints' / '20'}" in again.stdout
+    assert f"resumed at step 20 from {run_dir / 'checkpoints' / '20'} after a clean stop (stop_at)\n" in again.stdout
 
 
 # -- the console: messages never share a line with the bar -------------------------------------------------
@@ -221,24 +221,25 @@ def _visible_lines(raw: str) -> list[str]:
 
 
 def test_progress_bar_and_messages_never_share_a_line(tmp_path):
-    pid, fd = pty.fork()
-    if pid == 0:  # the child: a terminal 100 columns wide
-        os.execv(sys.executable, [sys.executable, "-c", CONSOLE_SCRIPT, str(tmp_path / "run")])
-    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 100, 0, 0))
+    controller, terminal = os.openpty()  # a terminal 100 columns wide
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 100, 0, 0))
+    proc = subprocess.Popen([sys.executable, "-c", CONSOLE_SCRIPT, str(tmp_path / "run")], stdin=terminal,
+                            stdout=terminal, stderr=terminal, cwd=REPO)
+    os.close(terminal)
     chunks = []
     while True:
         try:
-            data = os.read(fd, 4096)
-        except OSError:
+            data = os.read(controller, 4096)
+        except OSError:  # EIO: the child closed its side
             break
         if not data:
             break
         chunks.append(data)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+    os.close(controller)
+    assert proc.wait(timeout=60) == 0
     lines = [line for line in _visible_lines(b"".join(chunks).decode(errors="replace")) if line]
     messages = [line for line in lines if "message" in line or "resumed" in line or "closing" in line]
-    assert messages == ["resumed at step 2 from ckpt/2; dropped 3 metrics records of later steps (they run again)",
+    assert messages == ["resumed at step 2 from ckpt/2; dropped 3 metrics records of later steps",
                         *[f"message after step {s}" for s in range(3, 7)], "the closing line"]
     assert any("6/6" in line for line in lines)  # the bar was drawn
     assert lines[-1] == "the closing line"
