@@ -81,7 +81,8 @@ def write_plots(run_dir: Path, out: Path) -> list[Path]:
     written.append(_save(fig, out / "loss.png"))
 
     fig, ax = _figure(f"learning rate: {run_dir.name}", "learning rate", series)
-    ax.plot(*series.column("lr"), marker=".")
+    ax.plot(*series.column("lr"), marker=".", label="learning rate")
+    ax.legend()
     written.append(_save(fig, out / "lr.png"))
 
     fig, ax = _figure(f"throughput: {run_dir.name}", "tokens/s", series)
