@@ -137,6 +137,8 @@ class MetricsLog:
         self._jsonl = None
         self._tb = None
         self._bar = None
+        self._use_bar = False
+        self._start_step = start_step
         self._plain = False
         if not enabled:
             return
@@ -147,10 +149,14 @@ class MetricsLog:
         # opened within one second (a quick resume) from overwriting each other, in opening order.
         self._tb = SummaryWriter(logdir=str(run_dir / "tensorboard"), purge_step=start_step + 1,
                                  filename_suffix=f".{time.time_ns()}")
-        use_bar = progress == "bar" or (progress == "auto" and sys.stderr.isatty())
-        self._plain = progress == "plain" or (progress == "auto" and not use_bar)
-        if use_bar:
-            self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
+        self._use_bar = progress == "bar" or (progress == "auto" and sys.stderr.isatty())
+        self._plain = progress == "plain" or (progress == "auto" and not self._use_bar)
+
+    def _progress_bar(self):
+        """The bar, drawn from the first step on: restoring and compiling are not in its rate."""
+        if self._bar is None and self._use_bar:
+            self._bar = tqdm(total=self.total_steps, initial=self._start_step, unit="step", dynamic_ncols=True)
+        return self._bar
 
     def event(self, record: dict[str, Any]) -> None:
         """A non-metric event (quarantine, resume, ...): JSON to metrics.jsonl, a sentence to the console."""
@@ -170,7 +176,7 @@ class MetricsLog:
         # Out of tensorboardX's queue now, like the line-buffered JSONL: a crash must not lose steps
         # up to the checkpoint it resumes from (the purge on resume only hides the later ones).
         self._tb.flush()
-        if self._bar is not None:
+        if self._progress_bar() is not None:
             self._bar.set_postfix_str(
                 f"loss={_num(values.get('loss'))} lr={_num(values.get('lr'))} tok/s={_num(values.get('tokens_per_s'))}",
                 refresh=False)
@@ -182,7 +188,7 @@ class MetricsLog:
                   flush=True)
 
     def advance(self, n: int = 1) -> None:
-        if self._bar is not None:
+        if self._progress_bar() is not None:
             self._bar.update(n)
 
     def console(self, text: str) -> None:
@@ -199,6 +205,7 @@ class MetricsLog:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+        self._use_bar = False
         if self._tb is not None:
             self._tb.close()
             self._tb = None
