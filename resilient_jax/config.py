@@ -152,6 +152,9 @@ class RunConfig:
     dir: str = "runs/default"
     # "auto": a live bar on a terminal, plain lines otherwise.
     progress: Literal["auto", "bar", "plain", "quiet"] = "auto"
+    # Peak FLOP/s of one device, for MFU; 0 = look the device kind up in resilient_jax.flops
+    # (H100/H200/A100), unknown elsewhere (CPU): MFU is then reported as null.
+    peak_flops: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -345,6 +348,7 @@ RANGES: dict[str, Bound] = {
     "train.steps": _at_least(1),
     "train.seed": Bound(lo=0, hi=2**32 - 1),
     "train.log_every": _at_least(1),
+    "run.peak_flops": _at_least(0),
     "checkpoint.every_steps": _at_least(0),
     "checkpoint.every_seconds": _at_least(0),
     "checkpoint.keep_last": _at_least(0),
