@@ -2,8 +2,9 @@
 
 Checkpoints: a run whose checkpoint dir (checkpoint.dir, default <run.dir>/checkpoints) already
 holds checkpoints resumes from the newest; `--resume latest|STEP|PATH` names one explicitly.
-Exit codes: 0 done (or stopped by --stop-at), 2 bad input (one line on stderr), 143 preempted
-(SIGTERM: a checkpoint was committed first; rerun the same command to continue).
+Exit codes: 0 done (or stopped by --stop-at), 1 an elastic run failed, 2 bad input (one line on
+stderr), 130 interrupted (Ctrl-C) and 143 preempted (SIGTERM): a checkpoint was committed first;
+rerun the same command to continue.
 
 Thin on purpose: parse, set up devices, build a Trainer, run it. Everything else is importable.
 """
@@ -17,6 +18,7 @@ from resilient_jax.config import Config, ConfigError, load_config
 
 
 PREEMPTED_EXIT = 143  # 128 + SIGTERM, what a scheduler expects of a process it terminated
+INTERRUPTED_EXIT = 130  # 128 + SIGINT: Ctrl-C
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -58,27 +60,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         cfg = build_config(args)
+        allow = [k.strip() for k in args.allow_config_change.split(",") if k.strip()]
         if cfg.topology.regions:
             # Several hosts: this process becomes the controller and never touches devices.
-            from resilient_jax.elastic.run import run_elastic
-
-            if args.resume or args.stop_at is not None or args.allow_config_change:
-                raise ConfigError("--resume/--stop-at/--allow-config-change apply to single-process runs; an "
-                                  "elastic run resumes automatically from the checkpoints in its run.dir")
-            from resilient_jax.elastic.controller import RunFailed
-
-            try:
-                summary = run_elastic(cfg)
-            except RunFailed as e:
-                print(f"error: the run failed: {e} (see {cfg.run.dir}/elastic/logs)", file=sys.stderr)
-                return 1
-            return 0 if summary.get("final_step") == cfg.train.steps else 1
+            return run_elastic_cli(cfg, args, allow)
         setup_devices(cfg)
         from resilient_jax.checkpoint.store import CheckpointSaveError
         from resilient_jax.data import DatasetError
         from resilient_jax.trainer import Trainer
 
-        allow = [k for k in args.allow_config_change.split(",") if k.strip()]
         try:
             summary = Trainer(cfg, resume=args.resume, allow_config_change=allow, stop_at=args.stop_at).run()
         except (DatasetError, CheckpointSaveError) as e:
@@ -91,6 +81,27 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def run_elastic_cli(cfg: Config, args: argparse.Namespace, allow: list[str]) -> int:
+    from resilient_jax.elastic.controller import RunFailed
+    from resilient_jax.elastic.run import Interrupted, run_elastic
+
+    try:
+        summary = run_elastic(cfg, resume=args.resume, allow_config_change=allow, stop_at=args.stop_at)
+    except RunFailed as e:
+        failure = e.failure
+        where = (f" (log: {cfg.run.dir}/elastic/logs/{failure['host']}.log)" if failure
+                 else f" (logs: {cfg.run.dir}/elastic/logs)")
+        print(f"error: the run failed: {e}{where}", file=sys.stderr)
+        return 2 if failure and failure["bad_input"] else 1
+    except Interrupted as e:
+        print(str(e), file=sys.stderr)
+        return INTERRUPTED_EXIT if e.reason == "interrupted" else PREEMPTED_EXIT
+    stopped = summary.get("stopped")
+    if stopped in ("interrupted", "preempted"):
+        return INTERRUPTED_EXIT if stopped == "interrupted" else PREEMPTED_EXIT
+    return 0 if summary.get("final_step") == cfg.train.steps or stopped == "stop_at" else 1
 
 
 if __name__ == "__main__":
