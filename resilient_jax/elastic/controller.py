@@ -60,7 +60,7 @@ class Member:
     devices: int
     status: str = "registered"  # registered | spare -> active -> dead | reslotted | drained | done
     last_seen: float = field(default_factory=time.monotonic)
-    step: int = -1
+    step: int = 0  # steps completed, as its last heartbeat said
     generation: int = -1
     step_seconds: float = 0.0
 
@@ -327,7 +327,7 @@ class Controller:
             first = not self.failures
             self.failures.append({"host": host, "error": error, "bad_input": bool(bad_input)})
             log.error("worker %s failed: %s", host, error)
-            if first:
+            if first and not bad_input:  # an input error ends the run; the driver prints it once
                 self.console(f"worker {host} failed: {error}")
             if bad_input:
                 self.fail(self._failure_message())
@@ -524,7 +524,8 @@ class Controller:
 
     def _declare_dead(self, member: Member, why: str) -> None:
         log.warning("host %s declared dead: %s", member.host, why)
-        self.console(f"host {member.host} is dead ({why})" + (": fenced" if "silent" in why else ""))
+        if self.error is None and self.summary is None:  # after the end, hosts going away is no news
+            self.console(f"host {member.host} is dead ({why})" + (": fenced" if "silent" in why else ""))
         was_active = member.status == "active"
         member.status = "dead"
         if was_active:
@@ -636,7 +637,7 @@ class Controller:
             "controller": self.url,
             "generation": None if world is None else world.generation,
             "world": None if world is None else world.to_dict(),
-            "step": max((m.step for m in self.members.values() if m.status in ("active", "done")), default=-1),
+            "step": max((m.step for m in self.members.values() if m.status in ("active", "done")), default=0),
             "members": {h: {"region": m.region, "status": m.status, "step": m.step, "generation": m.generation,
                             "step_seconds": round(m.step_seconds, 4)}
                         for h, m in sorted(self.members.items())},

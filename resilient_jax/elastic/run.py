@@ -284,7 +284,7 @@ def _whole_run(summary: dict, before: dict) -> dict:
         return summary
     (resume,) = resumes
     previous, status = before["summary"] or {}, before["status"] or {}
-    ended = _how_it_ended(previous, status)
+    ended = _how_it_ended(previous, status, resume["step"])
     # Steps the earlier invocation completed after its newest checkpoint were computed again.
     lost_on_disk = max(0, int(status.get("step") or 0) - resume["step"]) if status else 0
     history = [r for r in previous.get("resumed_from") or [] if isinstance(r, dict)]
@@ -303,13 +303,15 @@ def _whole_run(summary: dict, before: dict) -> dict:
     }
 
 
-def _how_it_ended(previous: dict, status: dict) -> str:
+def _how_it_ended(previous: dict, status: dict, step: int) -> str:
+    """Why the run stood at checkpoint `step`: the summary of the invocation that ended there, else
+    the last controller status (an invocation that failed before training leaves no summary)."""
+    if previous.get("final_step") == step:
+        return previous.get("stopped") or "finished"
     if not status:
-        return "unknown (no status from the invocation before)"
+        return "unknown (no summary or status from the invocation before)"
     if status.get("error"):
         return f"failed: {status['error']}"
-    if status.get("finished"):
-        return previous.get("stopped") or "finished"
     return "crashed (the driver stopped without a summary)"
 
 

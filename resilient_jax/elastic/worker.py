@@ -90,7 +90,7 @@ class Heartbeat(threading.Thread):
     def __init__(self, client, host: str, interval: float, clock: StallClock):
         super().__init__(name="heartbeat", daemon=True)
         self.client, self.host, self.interval, self.clock = client, host, interval, clock
-        self.generation, self.step, self.step_seconds = -1, -1, 0.0
+        self.generation, self.step, self.step_seconds = -1, 0, 0.0  # step: steps completed
         self.reform_signal = 0
         self.stop_reason: str | None = None  # the controller asks every member to stop (Ctrl-C, SIGTERM)
         self.on_abort = lambda generation: None
@@ -227,7 +227,13 @@ def main(argv: list[str] | None = None) -> int:
             client.call("/failed", retry_seconds=5, host=args.host, error=error[:2000], bad_input=bad_input)
         except ControllerError:
             pass  # the controller is gone; the launcher still sees the exit code
-        return 2 if bad_input else 1
+        heartbeat.stop()
+        # Exit now: the JAX client's exit-time shutdown would wait on peers that are failing too
+        # (seen: every worker stuck until the controller fenced it as silent).
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(2 if bad_input else 1)
     finally:
         heartbeat.stop()
 
@@ -383,6 +389,8 @@ class Worker:
         first = True
         clock = self.heartbeat.clock
         total = self.cfg.train.steps
+        self.heartbeat.step = step  # where this world starts (a resume from disk starts past 0)
+        self._last_progress = None  # tokens/s windows do not span a re-formation
         try:
             while step < total:
                 if self.stop_at is not None and step >= self.stop_at:  # the same step on every member
@@ -464,10 +472,11 @@ class Worker:
             return MetricsLog(trainer.run_dir, self.cfg.train.steps, enabled=False)
         if self.metrics is None:
             trainer.write_run_config()
-            # A new writer -- a resume from disk, or rank 0 changing hands -- starts at `start`:
-            # records of later steps (from before a crash, or an old rank 0) are dropped, so the
-            # file holds each step once; MetricsLog's start step does the same for TensorBoard.
-            self.metrics_dropped = rewind_metrics(trainer.run_dir / "metrics.jsonl", start) if start > 0 else 0
+            # A new writer -- this invocation's first, or rank 0 changing hands -- starts at `start`:
+            # records of later steps (an earlier invocation's past its checkpoint, or an old rank
+            # 0's) are dropped, so the file holds each step once; MetricsLog's start step does the
+            # same for TensorBoard.
+            self.metrics_dropped = rewind_metrics(trainer.run_dir / "metrics.jsonl", start)
             self.metrics = MetricsLog(trainer.run_dir, self.cfg.train.steps, progress="plain", start_step=start)
         return self.metrics
 
