@@ -112,6 +112,9 @@ class RunConfig:
     dir: str = "runs/default"
     # "auto": a live bar on a terminal, plain lines otherwise.
     progress: Literal["auto", "bar", "plain", "quiet"] = "auto"
+    # Peak FLOP/s of one device, for MFU; 0 = look the device kind up in resilient_jax.flops
+    # (H100/H200/A100), unknown elsewhere (CPU): MFU is then reported as null.
+    peak_flops: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -22,15 +22,17 @@ import numpy as np
 
 from resilient_jax import data as data_lib
 from resilient_jax import faults as faults_lib
+from resilient_jax import flops as flops_lib
 from resilient_jax import mesh as mesh_lib
 from resilient_jax import state as state_lib
 from resilient_jax import step as step_lib
-from resilient_jax.checkpoint.session import CheckpointSession, rewind_metrics
+from resilient_jax.checkpoint.session import CheckpointSession
 from resilient_jax.config import Config, DataConfig
 from resilient_jax.fingerprinting import params_fingerprint
-from resilient_jax.metrics import MetricsLog
+from resilient_jax.metrics import MetricsLog, StepWindow
 from resilient_jax.model import count_params
 from resilient_jax.optimizer import build_optimizer, lr_schedule
+from resilient_jax.run_history import DONE, RunHistory
 
 # A step that is still non-finite after this many quarantines is not a data problem.
 MAX_QUARANTINES_PER_STEP = 4
@@ -58,21 +60,38 @@ def resolve_dataset(cfg: DataConfig) -> data_lib.Manifest:
 
 @dataclass
 class QuarantineRecord:
-    step: int
+    step: int  # the step index the loader uses: completed steps before the step that hit the shard
     shard: int
     samples: list[int]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"event": "quarantine", "step": self.step, "shard": self.shard, "samples": self.samples}
+        # "step": the step (1-based, like every record) whose batch held the shard; "from_step":
+        # the data.quarantine / loader index it is excluded from (= step - 1).
+        return {"event": "quarantine", "step": self.step + 1, "from_step": self.step, "shard": self.shard,
+                "samples": self.samples}
 
 
 @dataclass
 class RunTotals:
-    first_loss: float | None = None
+    """This process's figures for one invocation (a RunHistory adds up the whole run's)."""
+
+    first_loss: float | None = None  # the first step this invocation ran
     last_loss: float | None = None
-    steady_seconds: float = 0.0  # step time after the first (compiling) step
-    steady_steps: int = 0
+    train_seconds: float = 0.0  # inside steps; compiling is counted apart
+    compile_seconds: float = 0.0
+    data_wait_seconds: float = 0.0
+    tokens: int = 0
+    steps: int = 0
     quarantines: list[QuarantineRecord] = field(default_factory=list)
+
+    def record_step(self, loss: float, seconds: float, data_wait: float, tokens: int) -> None:
+        if self.first_loss is None:
+            self.first_loss = loss
+        self.last_loss = loss
+        self.train_seconds += seconds
+        self.data_wait_seconds += data_wait
+        self.tokens += tokens
+        self.steps += 1
 
 
 class Trainer:
@@ -257,25 +276,34 @@ class Trainer:
         ckpt = self.checkpoints()
         resumed = self.restore(ckpt)
         start = resumed.step if resumed else 0
-        # Steps after the checkpoint run again; keep one metrics record per step (see rewind_metrics).
-        dropped = rewind_metrics(self.run_dir / "metrics.jsonl", start) if resumed and self.is_writer else 0
+        try:
+            history = RunHistory.load(self.run_dir, enabled=self.is_writer)
+        except BaseException:
+            ckpt.close()
+            raise
+        # Steps after the checkpoint run again: MetricsLog keeps one record per step of them.
         log = MetricsLog(self.run_dir, cfg.train.steps, progress=cfg.run.progress, start_step=start,
                          enabled=self.is_writer)
         log.console(self.banner())
+        history.begin(start, resumed.path if resumed else None, started=start_wall)
         if resumed:
             for event in resumed.decision.events(resumed.path):
-                log.event({**event, "dropped_metrics": dropped} if event["event"] == "resume" else event)
+                if event["event"] == "resume":
+                    event = {**event, "dropped_metrics": log.dropped, "after": history.current.reason}
+                log.event(event)
             for warning in resumed.decision.warnings:
                 log.console(f"warning: {warning}")
             state = resumed.state
         else:
             state = self.fresh_state()
         loop = StepLoop(self, log, RunTotals(), ckpt, start_step=start,
-                        position=resumed.position if resumed else None)
+                        position=resumed.position if resumed else None, history=history)
         end = cfg.train.steps if self.stop_at is None else min(self.stop_at, cfg.train.steps)
         step = start
         stopped = None
         try:
+            if step < end:
+                loop.compile(state)
             while step < end:
                 state = loop.step(state, step)
                 step += 1
@@ -284,34 +312,69 @@ class Trainer:
                     break
             if stopped is None and end < cfg.train.steps:
                 stopped = "stop_at"
+            loop.flush_log()
             ckpt.finish(step, state, loop.data_position())
+            # Only now is the stop clean: the checkpoint of `step` is committed.
+            history.end(DONE if step == cfg.train.steps else stopped)
+        except BaseException:
+            history.save()  # the wall seconds so far; `ended` stays None: the next resume is a restart
+            raise
         finally:
             loop.close()
             ckpt.close()
-        summary = self.summarize(state, loop.totals, time.perf_counter() - start_wall, loop.data_position())
-        summary.update(final_step=step, stopped=stopped, checkpoint=ckpt.summary(),
-                       resumed_from={"step": start, "path": str(resumed.path)} if resumed else None)
+        summary = self.summarize(state, loop.totals, time.perf_counter() - start_wall, loop.data_position(),
+                                 history=history)
+        summary.update(final_step=step, stopped=stopped, checkpoint=ckpt.summary())
         if self.is_writer:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
-        losses = (f"loss {summary['first_loss']:.4f} -> {summary['final_loss']:.4f}"
-                  if summary["first_loss"] is not None else "no steps left to run")
-        log.console(
-            f"{'stopped (' + stopped + ')' if stopped else 'done'}: step {summary['final_step']} {losses} "
-            f"fingerprint {summary['params_fingerprint'][:16]} ({summary['wall_seconds']:.1f} s)"
-        )
-        log.close()
+        log.close()  # the bar first: the last line stands on its own
+        log.console(self.closing_line(summary))
         return summary
 
-    def summarize(self, state, totals: RunTotals, wall: float, position) -> dict[str, Any]:
-        """summary.json fields (collective when params span processes: call on every process)."""
+    @staticmethod
+    def closing_line(summary: dict[str, Any]) -> str:
+        stopped = summary.get("stopped")
+        losses = (f"loss {summary['first_loss']:.4f} (step 1) -> {summary['final_loss']:.4f}"
+                  if summary["first_loss"] is not None and summary["final_loss"] is not None else
+                  "no steps left to run" if summary["final_loss"] is None else f"loss {summary['final_loss']:.4f}")
+        tps = summary.get("tokens_per_second")
+        mfu = summary.get("mfu")
+        return (f"{'stopped (' + stopped + ')' if stopped else 'done'}: step {summary['final_step']} {losses} | "
+                f"{'-' if tps is None else f'{tps:,.0f}'} tokens/s"
+                f"{'' if mfu is None else f', MFU {mfu:.1%}'} | compile {summary['compile_seconds']:.1f} s | "
+                f"fingerprint {summary['params_fingerprint'][:16]} | {summary['invocation_wall_seconds']:.1f} s"
+                f" ({summary['wall_seconds']:.1f} s over {summary.get('invocations', 1)} invocation(s))")
+
+    def summarize(self, state, totals: RunTotals, wall: float, position,
+                  history: RunHistory | None = None) -> dict[str, Any]:
+        """summary.json fields (collective when params span processes: call on every process).
+
+        With a `history` the run's figures span every invocation (see resilient_jax.run_history);
+        without one (an elastic worker, whose controller adds restarts and steps lost) they are
+        this process's.
+        """
         cfg = self.cfg
-        steady = totals.steady_seconds / max(totals.steady_steps, 1)
+        if history is not None:
+            run = history.totals()
+        else:
+            run = {"first_loss": totals.first_loss, "wall_seconds": wall, "train_seconds": totals.train_seconds,
+                   "compile_seconds": totals.compile_seconds, "data_wait_seconds": totals.data_wait_seconds,
+                   "tokens": totals.tokens}
+        tokens_per_second = run["tokens"] / run["train_seconds"] if run["train_seconds"] > 0 else None
+        throughput = Throughput.of(self)
+        flops_per_second = throughput.flops_per_token * tokens_per_second if tokens_per_second else None
         return {
+            **run,
             "final_step": cfg.train.steps,
-            "first_loss": totals.first_loss,
             "final_loss": totals.last_loss,
-            "wall_seconds": wall,
-            "tokens_per_second": cfg.data.global_batch * cfg.data.seq_len / steady if steady else None,
+            "invocation_wall_seconds": wall,
+            "tokens_per_second": tokens_per_second,
+            "flops_per_token": throughput.flops_per_token,
+            "model_flops_per_second": flops_per_second,
+            "mfu": flops_lib.mfu(flops_per_second, throughput.peak_per_device, throughput.devices),
+            "peak_flops_per_device": throughput.peak_per_device,
+            "device_kind": throughput.device_kind,
+            "device_memory_bytes_in_use": flops_lib.device_memory_in_use(throughput.local_devices),
             "config_hash": cfg.hash,
             "dataset_version": self.manifest.version,
             "params_fingerprint": params_fingerprint(state.params),
@@ -324,52 +387,104 @@ class Trainer:
             "quarantined_shards": sorted({q.shard for q in totals.quarantines}),
             "quarantine_events": [q.to_dict() for q in totals.quarantines],
             "data_position": position.to_dict(),
-            "restarts": 0,
-            "steps_lost": 0,
         }
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """What turns tokens/s into FLOP/s and MFU for this world (see resilient_jax.flops)."""
+
+    flops_per_token: float
+    peak_per_device: float | None
+    devices: int
+    device_kind: str
+    local_devices: tuple
+
+    @classmethod
+    def of(cls, trainer: Trainer) -> Throughput:
+        cfg, devices = trainer.cfg, list(trainer.mesh.devices.flat)
+        kind = devices[0].device_kind
+        return cls(flops_per_token=flops_lib.flops_per_token(cfg.model, cfg.data.seq_len),
+                   peak_per_device=flops_lib.peak_flops(kind, cfg.model.dtype, cfg.run.peak_flops),
+                   devices=len(devices), device_kind=kind,
+                   local_devices=tuple(d for d in devices if d.process_index == jax.process_index()))
 
 
 class StepLoop:
     """One world's training loop state: this host's loader, metrics, running totals, checkpoints.
 
     `step(state, k)` is one full step -- load, compute (quarantining NaN shards), apply, log, and
-    save if due -- and returns the new state. A collective failure raises out of `compute` before
-    `apply`, so the caller still holds the state after step k-1.
+    save if due -- taking the state from k to k+1 completed steps; it is logged and checkpointed as
+    step k+1 (the project's step numbers: step k brings the run to k completed steps). A
+    collective failure raises out of `compute` before `apply`, so the caller still holds the state
+    after k steps.
     """
 
     def __init__(self, trainer: Trainer, log: MetricsLog, totals: RunTotals, ckpt: CheckpointSession | None, *,
-                 start_step: int, position: data_lib.DataPosition | None = None):
+                 start_step: int, position: data_lib.DataPosition | None = None,
+                 history: RunHistory | None = None):
         self.trainer, self.log, self.totals, self.ckpt = trainer, log, totals, ckpt
+        self.history = history
         self.loader = trainer.open_loader(start_step=start_step, position=position)
         self.preempted = False
         cfg = trainer.cfg
         self.tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
+        self.throughput = Throughput.of(trainer)
+        self.window = StepWindow()
+        self.completed = start_step
+        self._applied = None
+
+    def compile(self, state) -> float:
+        """Compile this world's step before the first one runs, so compiling is reported as
+        compile_seconds and never as a slow step."""
+        t0 = time.perf_counter()
+        self.trainer.precompile(state)
+        seconds = time.perf_counter() - t0
+        self.totals.compile_seconds += seconds
+        if self.history is not None:
+            self.history.compiled(seconds)
+        self.log.event({"event": "compile", "step": self.completed, "seconds": seconds})
+        return seconds
 
     def step(self, state, step: int):
         cfg, totals = self.trainer.cfg, self.totals
+        waited = self.loader.wait_seconds
         t0 = time.perf_counter()
         result = self.trainer.compute_finite(state.params, self.loader, step, totals, self.log)
         state, applied = self.trainer.apply(state, result.grads, np.int32(step))
         loss = float(result.loss)
         seconds = time.perf_counter() - t0
-        if step > 0:
-            totals.steady_seconds += seconds
-            totals.steady_steps += 1
-        if totals.first_loss is None:
-            totals.first_loss = loss
-        totals.last_loss = loss
-        if step % cfg.train.log_every == 0 or step == cfg.train.steps - 1:
-            self.log.log(step, {
-                "loss": loss,
-                "lr": float(applied.lr),
-                "grad_norm": float(applied.grad_norm),
-                "step_seconds": seconds,
-                "tokens_per_s": self.tokens_per_step / seconds,
-            })
+        data_wait = self.loader.wait_seconds - waited
+        done = self.completed = step + 1
+        totals.record_step(loss, seconds, data_wait, self.tokens_per_step)
+        if self.history is not None:
+            self.history.step_done(done, loss, seconds, data_wait, self.tokens_per_step)
+        self.window.add(loss, seconds, data_wait)
+        self._applied = applied
+        if done == 1 or done % cfg.train.log_every == 0 or done == cfg.train.steps:
+            self.flush_log()
         self.log.advance()
-        if self.ckpt is not None and self.ckpt.after_step(step + 1, state, self.loader.position()):
+        if self.ckpt is not None and self.ckpt.after_step(done, state, self.loader.position()):
             self.preempted = True
         return state
+
+    def flush_log(self) -> None:
+        """Log the steps since the last line as one line for the latest step (a no-op if none)."""
+        if not len(self.window):
+            return
+        values = self.window.values(self.tokens_per_step)
+        throughput = self.throughput
+        flops_per_second = (throughput.flops_per_token * values["tokens_per_s"]) if values["tokens_per_s"] else None
+        self.log.log(self.completed, {
+            **values,
+            "lr": float(self._applied.lr),
+            "grad_norm": float(self._applied.grad_norm),
+            "flops_per_token": throughput.flops_per_token,
+            "flops_per_s": flops_per_second,
+            "mfu": flops_lib.mfu(flops_per_second, throughput.peak_per_device, throughput.devices),
+            "memory_bytes_in_use": flops_lib.device_memory_in_use(throughput.local_devices),
+        })
+        self.window = StepWindow()
 
     def data_position(self) -> data_lib.DataPosition:
         return self.loader.position()

@@ -148,7 +148,7 @@ def rows_for(scenario: Scenario, summary: dict, reference: str) -> list[Row]:
         elif kind == "nan_shard":
             hits = [q for q in summary["quarantine_events"] if q["shard"] == int(target)]
             # The poison starts at `step`; the shard's first sample may land in a later batch.
-            ok = bool(hits) and hits[0]["step"] >= step
+            ok = bool(hits) and hits[0]["from_step"] >= step  # both the loader's step index
             response = (f"quarantined shard {target} at step {hits[0]['step']} (its first NaN batch), re-read "
                         f"step {hits[0]['step']} without it, continued; equals the fault-free run with the "
                         f"shard excluded from that step" if hits else "not quarantined")
@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         if summary["quarantine_events"]:
             # A data fault changes the data by design: compare with the fault-free run that leaves the
             # same shard out from the same step without ever reading a NaN.
-            clean = ", ".join(f"{{shard: {q['shard']}, from_step: {q['step']}}}" for q in summary["quarantine_events"])
+            clean = ", ".join(f"{{shard: {q['shard']}, from_step: {q['from_step']}}}" for q in summary["quarantine_events"])
             name = f"{scenario.name} (clean exclusion)"
             runs[name] = args.out / (scenario.name.replace(" ", "-") + "-clean")
             print(f"drill: {name}: fault-free with data.quarantine=[{clean}] ...", flush=True)

@@ -44,11 +44,14 @@ def test_nan_shard_is_quarantined_and_every_step_is_applied(poisoned_run, poison
     assert summary["final_step"] == STEPS
     assert summary["quarantined_shards"] == [poisoned_shard]
     (event,) = summary["quarantine_events"]
-    assert event["step"] == FAULT_STEP and event["shard"] == poisoned_shard and event["samples"]
+    # The fault poisons the batch of step index FAULT_STEP: step FAULT_STEP + 1, the update that
+    # brings the run to FAULT_STEP + 1 completed steps; data.quarantine keeps the loader's index.
+    assert event["step"] == FAULT_STEP + 1 and event["from_step"] == FAULT_STEP
+    assert event["shard"] == poisoned_shard and event["samples"]
     assert summary["data_position"]["quarantine"] == [{"shard": poisoned_shard, "from_step": FAULT_STEP}]
     lines = [json.loads(x) for x in (run_dir / f"nan-8" / "metrics.jsonl").read_text().splitlines()]
     logged_steps = [x["step"] for x in lines if "loss" in x]
-    assert logged_steps == list(range(STEPS))  # no step skipped, none repeated
+    assert logged_steps == list(range(1, STEPS + 1))  # no step skipped, none repeated
     assert all(np.isfinite(x["loss"]) for x in lines if "loss" in x)
     assert any(x.get("event") == "quarantine" for x in lines)
 

@@ -29,8 +29,10 @@ def test_main_job_trains_tiny_to_the_end(tmp_path, default_dataset):
     assert config["config_hash"] == summary["config_hash"] and config["config_hash"] in proc.stdout
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in metrics if "loss" in m]
-    assert [m["step"] for m in steps] == list(range(0, 200, 10)) + [199]
-    assert {"loss", "lr", "grad_norm", "step_seconds", "tokens_per_s"} <= steps[-1].keys()
+    assert [m["step"] for m in steps] == [1] + list(range(10, 201, 10))  # step k: k steps completed
+    assert {"loss", "loss_last", "lr", "grad_norm", "step_seconds", "tokens_per_s", "time", "mfu"} <= steps[-1].keys()
+    assert steps[0]["loss"] == summary["first_loss"] and steps[-1]["loss_last"] == summary["final_loss"]
+    assert summary["mfu"] is None and steps[-1]["mfu"] is None  # a CPU: no peak known, none set
     assert any(p.name.startswith("events.out.tfevents") for p in (run_dir / "tensorboard").iterdir())
 
 

@@ -7,7 +7,8 @@
 
 PATH is a step directory or a checkpoint root (its newest step). No JAX is imported, so both run
 in about a second on any machine with numpy and tensorstore. Exit codes: 0 ok, 2 a problem (one
-line per problem on stderr, no traceback).
+line per problem on stderr, no traceback), 141 the reader closed the pipe (`inspect DIR | head`;
+nothing printed on stderr).
 """
 
 from __future__ import annotations
@@ -15,12 +16,15 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from resilient_jax.checkpoint import reader
 from resilient_jax.checkpoint.reader import ARRAY_FIELDS, CONTEXT_FIELDS, CheckpointError
+
+BROKEN_PIPE_EXIT = 141  # 128 + SIGPIPE: what a shell tool reports when its reader closed the pipe
 
 
 def _short(sha: str | None, n: int = 12) -> str:
@@ -132,9 +136,14 @@ def main(argv: list[str] | None = None) -> int:
     p_verify.add_argument("path")
     args = parser.parse_args(argv)
     try:
-        if args.command == "inspect":
-            return cmd_inspect(args.path, args.brief, args.json)
-        return cmd_verify(args.path)
+        code = cmd_inspect(args.path, args.brief, args.json) if args.command == "inspect" else cmd_verify(args.path)
+        sys.stdout.flush()  # here, not at exit, so that a closed pipe is caught below
+        return code
+    except BrokenPipeError:
+        # The reader went away (`inspect DIR | head -1`): stop quietly, as `cat` would. Point stdout
+        # at /dev/null so the interpreter's final flush does not complain either.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return BROKEN_PIPE_EXIT
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -22,7 +22,6 @@ deleted), so the run can write its own steps again.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -241,28 +240,3 @@ class CheckpointSession:
             "removed_temporary": self.stats.removed_temporary,
         }
 
-
-def rewind_metrics(path: Path, step: int) -> int:
-    """Drops metrics.jsonl records of steps >= `step` (they are recomputed); returns how many.
-
-    After a crash the steps after the checkpoint run again; rewinding keeps exactly one record
-    per step, the one on the trajectory the checkpoints continue. The resume event says how many
-    records were dropped.
-    """
-    if not path.is_file():
-        return 0
-    kept, dropped = [], 0
-    for line in path.read_text().splitlines():
-        try:
-            record_step = json.loads(line).get("step")
-        except ValueError:
-            dropped += 1  # a line torn by the crash
-            continue
-        if isinstance(record_step, int) and record_step >= step:
-            dropped += 1
-        else:
-            kept.append(line)
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    tmp.replace(path)
-    return dropped

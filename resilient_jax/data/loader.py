@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -68,6 +69,7 @@ class HostBatchLoader:
         self._error: Exception | None = None  # a failed read, re-raised by __next__ until a reset
         self._closed = False
         self.batches_read = 0
+        self.wait_seconds = 0.0  # time __next__ spent blocked waiting for the reader (data wait)
         self._thread = threading.Thread(target=self._produce, name="HostBatchLoader", daemon=True)
         self._thread.start()
 
@@ -99,6 +101,13 @@ class HostBatchLoader:
         return self
 
     def __next__(self) -> Batch:
+        started = time.perf_counter()
+        try:
+            return self._next()
+        finally:
+            self.wait_seconds += time.perf_counter() - started
+
+    def _next(self) -> Batch:
         while True:
             with self._lock:
                 if self._closed:
