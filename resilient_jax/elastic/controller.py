@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from resilient_jax.elastic import channel, stragglers
+from resilient_jax.run_history import DONE, RunHistory
 from resilient_jax.elastic.world import CoordinationService
 
 log = logging.getLogger(__name__)
@@ -165,10 +166,11 @@ class Controller:
                  port: int = 0, token: str = "", dead_after_seconds: float = 6.0, min_hosts: int = 1,
                  total_steps: int = 0, straggler_factor: float = 1.5, straggler_window: int = 10,
                  on_dead: Callable[[str], None] | None = None, console: Callable[[str], None] | None = None,
-                 run_options: dict | None = None):
+                 run_options: dict | None = None, history: RunHistory | None = None):
         """`console` receives one sentence per event and a progress line per logged step (the
         driver prints them); `run_options` go to every worker as it registers (this invocation's
-        --resume / --allow-config-change / --stop-at)."""
+        --resume / --allow-config-change / --stop-at); `history` is the run's record across
+        invocations (run_history.json), kept by the driver since rank 0 may change hands."""
         channel.check_bind(bind, token)
         self.config_hash = config_hash
         self.expected_hosts = expected_hosts
@@ -185,7 +187,9 @@ class Controller:
         self.run_options = dict(run_options or {})
         self.stop_reason: str | None = None  # "interrupted" | "preempted" once request_stop was called
         self.failures: list[dict] = []  # workers' uncaught errors, first first
-        self.resumed_from: list[dict] = []  # worlds restored from a checkpoint on disk
+        self.history = history
+        self._history_begun = False
+        self._started = time.perf_counter()
         self._progress_step = -1  # the last step a progress line was printed for
         self.members: dict[str, Member] = {}
         self.world: World | None = None
@@ -254,8 +258,14 @@ class Controller:
                 self._record_stall(host, step + 1, stalled_seconds, deadline_seconds)
             for k, loss, tokens_per_s in progress or ():
                 self._print_progress(generation, k, loss, tokens_per_s)
+                if k == 1 and self._history_begun:
+                    self.history.first_loss = loss
+            if self._history_begun and step > self.history.current.last_step:
+                self.history.current.last_step = step  # saved with status.json, below
             if time.monotonic() - self._status_written > 1.0:  # keep status.json's steps fresh, cheaply
                 self._write_status()
+                if self._history_begun:
+                    self.history.save()
             return {"reform_signal": self._reform_signal(), "abort": abort, "stop": self.stop_reason}
 
     def wait_world(self, host: str, after: int, timeout: float = 20.0) -> dict:
@@ -300,6 +310,8 @@ class Controller:
 
     def progress(self, host: str, generation: int, step: int) -> dict:
         with self._lock:
+            if generation == 0:
+                self._begin_history(step - 1, None)  # no-op after a resume from disk was reported
             for event in self.events:
                 if event.generation == generation and event.first_step_at is None:
                     event.first_step_at = time.monotonic()
@@ -313,8 +325,8 @@ class Controller:
                 if event.generation == generation:
                     event.resume_step = step
                     event.from_checkpoint = checkpoint
-            self.resumed_from.append({"generation": generation, "step": step, "checkpoint": checkpoint,
-                                      "config_changes": list(config_changes or [])})
+            if generation == 0:
+                self._begin_history(step, checkpoint)
             changed = f"; config changed (allowed): {', '.join(config_changes)}" if config_changes else ""
             self.console(f"generation {generation} resumes from the checkpoint of step {step} ({checkpoint}){changed}")
             self._write_status()
@@ -356,6 +368,13 @@ class Controller:
     def done(self, host: str, summary: dict) -> dict:
         with self._lock:
             self.summary = summary
+            if self._history_begun:  # this invocation's figures, from the final rank 0
+                entry = self.history.current
+                entry.last_step = max(entry.last_step, int(summary["final_step"]))
+                for key in ("train_seconds", "compile_seconds", "data_wait_seconds", "tokens"):
+                    if summary.get(key) is not None:
+                        setattr(entry, key, summary[key])
+                self.history.end(summary.get("stopped") or DONE)
             for member in self.members.values():
                 if member.status == "active":
                     member.status = "done"
@@ -414,6 +433,8 @@ class Controller:
         with self._lock:
             if self.error is None:
                 log.error("the run failed: %s", message)
+                if self._history_begun:
+                    self.history.save()  # `ended` stays None: the next resume is a restart
             self.error = self.error or message
             self._lock.notify_all()
             self._write_status()
@@ -444,11 +465,15 @@ class Controller:
                 "fault_events": len(failures),
                 "steps_lost": sum(e.steps_lost for e in self.events),
                 "events": [e.report() for e in self.events if e.reason != "start" or e.from_checkpoint],
-                "resumed_from": self.resumed_from,
                 "members": {h: {"region": m.region, "status": m.status} for h, m in sorted(self.members.items())},
             }
 
     # -- internals (lock held) ---------------------------------------------------------------------
+
+    def _begin_history(self, start_step: int, checkpoint: str | None) -> None:
+        if self.history is not None and not self._history_begun:
+            self._history_begun = True
+            self.history.begin(start_step, checkpoint, started=self._started)
 
     def _failure_message(self) -> str:
         first = self.failures[0]

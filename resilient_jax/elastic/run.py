@@ -3,8 +3,8 @@
 `python -m resilient_jax.train --config configs/cpu-4host.yaml` lands here when the config names
 regions. The driver process hosts the controller (never a worker, never touches devices), starts
 one worker per host, starts extra hosts for `join_host@STEP`, and writes the run's one
-summary.json: the training summary from the final rank 0 plus what only the controller knows,
-carried over from the invocations before when this one resumed from their checkpoints.
+summary.json: the training summary from the final rank 0 plus what only the controller knows, and
+the whole run's figures across invocations (run_history.json, kept by the controller).
 
 The driver's console gets sentences and progress lines only; native output (the coordination
 service's absl/XLA logs) and the controller's log go to run.dir/elastic/logs/controller.log, each
@@ -32,6 +32,7 @@ from resilient_jax import gpu_env
 from resilient_jax.config import Config, ConfigError
 from resilient_jax.elastic.controller import Controller
 from resilient_jax.elastic.launcher import LocalLauncher
+from resilient_jax.run_history import RunHistory
 
 log = logging.getLogger(__name__)
 
@@ -90,11 +91,10 @@ def run_elastic(cfg: Config, *, resume: str | None = None, allow_config_change: 
     run_dir = Path(cfg.run.dir)
     logs = run_dir / "elastic" / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    before = _previous_invocation(run_dir)  # read before the new controller overwrites status.json
+    history = RunHistory.load(run_dir)
     with _driver_logs_to(logs / "controller.log"):
         summary = _drive(cfg, run_dir, {"resume": resume, "allow_config_change": list(allow_config_change),
-                                        "stop_at": stop_at})
-    summary = _whole_run(summary, before)
+                                        "stop_at": stop_at}, history)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
     if summary.get("stopped"):
         print(f"stopped ({summary['stopped']}) at step {summary['final_step']}; rerun the same command"
@@ -106,7 +106,7 @@ def run_elastic(cfg: Config, *, resume: str | None = None, allow_config_change: 
     return summary
 
 
-def _drive(cfg: Config, run_dir: Path, options: dict) -> dict:
+def _drive(cfg: Config, run_dir: Path, options: dict, history: RunHistory) -> dict:
     config_path = run_dir / "elastic" / "config.json"
     config_path.write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True))
     token = cfg.runtime.token or os.environ.get("RESILIENT_JAX_TOKEN") or secrets.token_hex(16)
@@ -116,7 +116,7 @@ def _drive(cfg: Config, run_dir: Path, options: dict) -> dict:
         port=cfg.runtime.port, token=token, dead_after_seconds=cfg.runtime.dead_after_seconds,
         min_hosts=cfg.runtime.min_hosts, total_steps=cfg.train.steps,
         straggler_factor=cfg.runtime.straggler_factor, straggler_window=cfg.runtime.straggler_window,
-        console=_console, run_options=options,
+        console=_console, run_options=options, history=history,
     )
     controller_file = run_dir / "elastic" / "controller.json"
     controller_file.write_text(json.dumps({"url": controller.url, "pid": os.getpid()}))
@@ -171,8 +171,11 @@ def _drive(cfg: Config, run_dir: Path, options: dict) -> dict:
         report = controller.elastic_report()
         controller.close()
         controller_file.unlink(missing_ok=True)  # the run is over: `drain` and `status` say so
-    return {**summary, **report, "wall_seconds": time.perf_counter() - started, "worker_exit_codes": codes,
-            "stopped": summary.get("stopped")}
+    # The whole run's figures (every invocation, see run_history), plus what happened inside this one.
+    run = history.totals()
+    return {**summary, **report, **run, "invocation_wall_seconds": time.perf_counter() - started,
+            "worker_exit_codes": codes, "stopped": summary.get("stopped"),
+            "restarts": run["restarts"] + report["restarts"], "steps_lost": run["steps_lost"] + report["steps_lost"]}
 
 
 def _console(text: str) -> None:
@@ -261,58 +264,6 @@ def last_error_line(log_path: Path, tail_bytes: int = 65536) -> str | None:
     except OSError:
         return None
     return next((line.strip() for line in reversed(lines) if _ERROR_LINE.match(line)), None)
-
-
-def _previous_invocation(run_dir: Path) -> dict:
-    """What the invocations before this one left: their summary.json and the controller's last status."""
-    out = {}
-    for name, path in (("summary", run_dir / "summary.json"), ("status", run_dir / "elastic" / "status.json")):
-        try:
-            out[name] = json.loads(path.read_text())
-        except (OSError, ValueError):
-            out[name] = None
-    return out
-
-
-def _whole_run(summary: dict, before: dict) -> dict:
-    """summary.json describes the whole run: when this invocation resumed from the checkpoint of an
-    earlier one, carry over its restarts, lost steps, first loss and wall time, and list the resume.
-    Continuing a run that ended early (stopped, failed, crashed) is a restart; rerunning a finished
-    one is not."""
-    resumes = [r for r in summary.get("resumed_from", []) if r["generation"] == 0]
-    if not resumes:
-        return summary
-    (resume,) = resumes
-    previous, status = before["summary"] or {}, before["status"] or {}
-    ended = _how_it_ended(previous, status, resume["step"])
-    # Steps the earlier invocation completed after its newest checkpoint were computed again.
-    lost_on_disk = max(0, int(status.get("step") or 0) - resume["step"]) if status else 0
-    history = [r for r in previous.get("resumed_from") or [] if isinstance(r, dict)]
-    this = {"step": resume["step"], "reason": ended, "checkpoint": resume["checkpoint"],
-            "config_changes": resume["config_changes"]}
-    in_run = [{"step": r["step"], "reason": "a world resumed from disk", "checkpoint": r["checkpoint"]}
-              for r in summary["resumed_from"] if r["generation"] > 0]
-    first_loss = previous.get("first_loss")
-    return {
-        **summary,
-        "resumed_from": history + [this] + in_run,
-        "restarts": int(previous.get("restarts") or 0) + (ended != "finished") + summary["restarts"],
-        "steps_lost": int(previous.get("steps_lost") or 0) + lost_on_disk + summary["steps_lost"],
-        "first_loss": first_loss if first_loss is not None else summary.get("first_loss"),
-        "wall_seconds": float(previous.get("wall_seconds") or 0.0) + summary["wall_seconds"],
-    }
-
-
-def _how_it_ended(previous: dict, status: dict, step: int) -> str:
-    """Why the run stood at checkpoint `step`: the summary of the invocation that ended there, else
-    the last controller status (an invocation that failed before training leaves no summary)."""
-    if previous.get("final_step") == step:
-        return previous.get("stopped") or "finished"
-    if not status:
-        return "unknown (no summary or status from the invocation before)"
-    if status.get("error"):
-        return f"failed: {status['error']}"
-    return "crashed (the driver stopped without a summary)"
 
 
 def _schedule_joins(cfg: Config, controller: Controller, launcher: LocalLauncher, first_index: int) -> None:

@@ -345,7 +345,9 @@ class Worker:
                          "own copy" if world["source"] == self.host else "from a peer, over the collective, not from disk")
                 start = world["resume_step"]
                 position = _position_from_dict(world["data_position"])
+            compile_from = time.perf_counter()
             trainer.precompile(state)
+            self.totals.compile_seconds += time.perf_counter() - compile_from
             world_lib.barrier(f"compiled-{self.generation}", timeout_seconds=300)
         except jax.errors.JaxRuntimeError as e:
             # A member died while this world was forming (the adoption broadcast or the barrier
@@ -419,6 +421,7 @@ class Worker:
                 if agreed[1] and step < total:
                     return self._finish(trainer, loop, ckpt, state, step, stopped=STOP_REASONS[int(agreed[1])])
                 if agreed[0] > self.generation and step < total:
+                    loop.flush_log()  # the steps since the last line, before this world's loop closes
                     self._keep(transfer.to_host(state), loop)
                     return "change"
             return self._finish(trainer, loop, ckpt, state, step, stopped=None)
@@ -434,6 +437,7 @@ class Worker:
         """The last checkpoint (committed before returning), then the summary from rank 0."""
         import jax
 
+        loop.flush_log()
         ckpt.finish(step, state, loop.data_position())
         summary = trainer.summarize(state, self.totals, time.perf_counter() - self.started, loop.data_position())
         summary.update(final_step=step, stopped=stopped)
@@ -465,19 +469,17 @@ class Worker:
         """Rank 0 of the current world writes the run's metrics; it keeps its log across worlds."""
         import jax
 
-        from resilient_jax.checkpoint.session import rewind_metrics
         from resilient_jax.metrics import MetricsLog
 
         if jax.process_index() != 0:
             return MetricsLog(trainer.run_dir, self.cfg.train.steps, enabled=False)
         if self.metrics is None:
             trainer.write_run_config()
-            # A new writer -- this invocation's first, or rank 0 changing hands -- starts at `start`:
-            # records of later steps (an earlier invocation's past its checkpoint, or an old rank
-            # 0's) are dropped, so the file holds each step once; MetricsLog's start step does the
-            # same for TensorBoard.
-            self.metrics_dropped = rewind_metrics(trainer.run_dir / "metrics.jsonl", start)
+            # A new writer -- this invocation's first, or rank 0 changing hands -- opens at `start`:
+            # MetricsLog drops the records of later steps (an earlier invocation's past its
+            # checkpoint, or an old rank 0's) and purges them in TensorBoard: each step once.
             self.metrics = MetricsLog(trainer.run_dir, self.cfg.train.steps, progress="plain", start_step=start)
+            self.metrics_dropped = self.metrics.dropped
         return self.metrics
 
 
