@@ -156,14 +156,19 @@ def _drive(cfg: Config, run_dir: Path, options: dict, history: RunHistory) -> di
                                      daemon=True)
             joins.start()
             try:
+                stop.waiting = True
+                if stop.killed is not None:  # the signal came while the hosts were starting
+                    raise stop.killed
                 summary = controller.wait_finished()
+                stop.waiting = False
             except _KillNow as e:
-                controller.fail(f"{e.reason} twice: workers killed at once")
+                how = f"{e.reason} twice" if e.twice else f"{e.reason} before training started"
+                controller.fail(f"{how}: workers killed at once")
                 from resilient_jax.checkpoint import reader
                 from resilient_jax.checkpoint.session import checkpoint_root
 
                 steps = reader.list_steps(checkpoint_root(cfg)) if cfg.checkpoint.enabled else []
-                raise Interrupted(e.reason, f"stopped at once ({e.reason} twice): workers killed; "
+                raise Interrupted(e.reason, f"stopped at once ({how}): workers killed; "
                                   + (f"the newest checkpoint is step {steps[-1]}; " if steps else "no checkpoint yet; ")
                                   + "rerun the same command to continue") from None
     finally:
@@ -185,9 +190,9 @@ def _console(text: str) -> None:
 class _KillNow(BaseException):
     """Raised by the second signal in the waiting driver (a BaseException: nothing on the way catches it)."""
 
-    def __init__(self, reason: str):
+    def __init__(self, reason: str, twice: bool):
         super().__init__(reason)
-        self.reason = reason
+        self.reason, self.twice = reason, twice
 
 
 class _StopOnSignal:
@@ -196,18 +201,24 @@ class _StopOnSignal:
     def __init__(self, controller: Controller, kill_workers):
         self.controller, self.kill_workers = controller, kill_workers
         self.signals = 0
+        self.waiting = False  # the driver is in wait_finished: the second signal may unwind it
+        self.killed: _KillNow | None = None
 
     def __call__(self, signum, frame) -> None:
         del frame
         reason = "interrupted" if signum == signal.SIGINT else "preempted"
         self.signals += 1
-        if self.signals == 1 and self.controller.world is not None and self.controller.summary is None:
+        if self.controller.summary is not None:
+            return  # the run is over; the driver is writing its summary
+        if self.signals == 1 and self.controller.world is not None:
             self.controller.request_stop(reason)
             _console(f"{'Ctrl-C' if signum == signal.SIGINT else 'SIGTERM'}: every worker checkpoints at the next "
                      "step boundary and stops (Ctrl-C again to stop at once, without that checkpoint)")
             return
         self.kill_workers()
-        raise _KillNow(reason)
+        self.killed = _KillNow(reason, twice=self.signals > 1)
+        if self.waiting:
+            raise self.killed
 
     @contextlib.contextmanager
     def installed(self):
