@@ -153,3 +153,23 @@ def test_an_operator_drain_takes_a_host_out_at_a_step_boundary_and_bad_drains_ar
         assert ctl.members["h1"].status == "drained"
     finally:
         ctl.close()
+
+
+def test_a_signal_asks_every_member_to_stop_and_a_second_kills_the_workers(controller):
+    """SIGTERM on the driver: heartbeat replies carry the stop (the workers agree on the step
+    through their per-step all-gather); a second signal kills the workers and unwinds the wait."""
+    import signal
+
+    from resilient_jax.elastic.run import _KillNow, _StopOnSignal
+
+    client = ControllerClient(controller.url, "s3cret")
+    for host in ("h0", "h1"):
+        client.call("/register", host=host, region="us", devices=2, config_hash="a" * 64)
+    killed = []
+    stop = _StopOnSignal(controller, lambda: killed.append(True))
+    stop(signal.SIGTERM, None)
+    assert _heartbeat(client, "h0")["stop"] == "preempted" and not killed
+    stop.waiting = True
+    with pytest.raises(_KillNow) as second:
+        stop(signal.SIGINT, None)
+    assert killed and second.value.twice
