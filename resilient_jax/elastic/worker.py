@@ -216,9 +216,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return worker.run()
     except Exception as e:
+        from resilient_jax.checkpoint.store import CheckpointSaveError
+
         # Tell the driver what went wrong before exiting, so its console names the error (and this log).
-        bad_input = isinstance(e, ValueError) or type(e).__name__ == "CheckpointSaveError"
-        error = str(e).strip().splitlines()[0] if bad_input and str(e).strip() else f"{type(e).__name__}: {e}"
+        # ValueErrors name a key, file or field the user gave (ConfigError, DatasetError, CheckpointError).
+        bad_input = isinstance(e, (ValueError, CheckpointSaveError))
+        text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        error = text if bad_input and text else f"{type(e).__name__}: {text}"
         if bad_input:
             print(f"error: {error}", file=sys.stderr, flush=True)
         else:
