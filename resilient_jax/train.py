@@ -5,7 +5,7 @@ holds checkpoints resumes from the newest; `--resume latest|STEP|PATH` names one
 Relative paths (run.dir, checkpoint.dir, data.dataset, --resume PATH) are against the current
 directory, resolved once at start; the absolute paths are what the run records.
 One run at a time per run.dir (`<run.dir>/run.lock`, see resilient_jax.runlock).
-Exit codes: 0 done (or stopped by --stop-at), 2 bad input (one line on stderr, nothing written),
+Exit codes: 0 done (or stopped by --stop-at), 1 an elastic run failed, 2 bad input (one line on stderr, nothing written),
 130 interrupted (Ctrl-C: a checkpoint was committed first; a second Ctrl-C exits without waiting),
 143 preempted (SIGTERM: a checkpoint was committed first). After 130 or 143, rerun the same command
 to continue.
@@ -93,25 +93,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     cfg = build_config(args)
-    if cfg.topology.regions:
-        if args.resume or args.stop_at is not None or args.allow_config_change:
-            raise ConfigError("--resume/--stop-at/--allow-config-change apply to single-process runs; an "
-                              "elastic run resumes automatically from the checkpoints in its run.dir")
     if args.stop_at is not None and args.stop_at < 1:
         raise ConfigError(f"--stop-at {args.stop_at}: must be >= 1 (the number of steps after which to stop)")
     check_run(cfg)
+    allow = [k.strip() for k in args.allow_config_change.split(",") if k.strip()]
     if cfg.topology.regions:
         # Several hosts: this process becomes the controller and never touches devices.
-        from resilient_jax.elastic.controller import RunFailed
-        from resilient_jax.elastic.run import run_elastic
-
         with _locked(cfg):
-            try:
-                summary = run_elastic(cfg)
-            except RunFailed as e:
-                print(f"error: the run failed: {e} (see {Path(cfg.run.dir) / 'elastic' / 'logs'})", file=sys.stderr)
-                return 1
-        return 0 if summary.get("final_step") == cfg.train.steps else 1
+            return run_elastic_cli(cfg, args, allow)
     # The lock comes first: a second run into a busy run.dir is refused before it builds anything.
     with _locked(cfg):
         setup_devices(cfg)
@@ -119,7 +108,6 @@ def _run(args: argparse.Namespace) -> int:
         from resilient_jax.data import DatasetError
         from resilient_jax.trainer import Trainer
 
-        allow = [k for k in args.allow_config_change.split(",") if k.strip()]
         try:
             summary = Trainer(cfg, resume=args.resume, allow_config_change=allow, stop_at=args.stop_at).run()
         except (DatasetError, CheckpointSaveError) as e:
@@ -144,6 +132,27 @@ def _locked(cfg: Config):
         if lock.warning():
             print(lock.warning(), file=sys.stderr)
         yield
+
+
+def run_elastic_cli(cfg: Config, args: argparse.Namespace, allow: list[str]) -> int:
+    from resilient_jax.elastic.controller import RunFailed
+    from resilient_jax.elastic.run import Interrupted, run_elastic
+
+    try:
+        summary = run_elastic(cfg, resume=args.resume, allow_config_change=allow, stop_at=args.stop_at)
+    except RunFailed as e:
+        failure = e.failure
+        where = (f" (log: {cfg.run.dir}/elastic/logs/{failure['host']}.log)" if failure
+                 else f" (logs: {cfg.run.dir}/elastic/logs)")
+        print(f"error: the run failed: {e}{where}", file=sys.stderr)
+        return 2 if failure and failure["bad_input"] else 1
+    except Interrupted as e:
+        print(str(e), file=sys.stderr)
+        return INTERRUPTED_EXIT if e.reason == "interrupted" else PREEMPTED_EXIT
+    stopped = summary.get("stopped")
+    if stopped in ("interrupted", "preempted"):
+        return INTERRUPTED_EXIT if stopped == "interrupted" else PREEMPTED_EXIT
+    return 0 if summary.get("final_step") == cfg.train.steps or stopped == "stop_at" else 1
 
 
 if __name__ == "__main__":

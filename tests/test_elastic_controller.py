@@ -56,8 +56,8 @@ def test_a_silent_host_is_declared_dead_and_survivors_get_the_next_world(control
     client = ControllerClient(controller.url, "s3cret")
     for host in ("h0", "h1"):
         client.call("/register", host=host, region="us", devices=2, config_hash="a" * 64)
-    # h1 never speaks again; h0 reports a failed collective after completing step 6.
-    reply = client.call("/reform", host="h0", generation=0, completed_step=6, data_position={"step": 7},
+    # h1 never speaks again; h0 reports a failed collective after completing 7 steps.
+    reply = client.call("/reform", host="h0", generation=0, completed_step=7, data_position={"step": 7},
                         reason="failure")
     world = reply["world"]
     assert world["generation"] == 1 and world["members"] == ["h0"]
@@ -79,7 +79,7 @@ def test_a_stall_with_every_member_alive_is_waited_out_and_a_dead_member_aborts_
             client.call("/register", host=host, region="us", devices=2, config_hash="a" * 64)
         reply = _heartbeat(client, "h0", step=9, stalled_seconds=4.5, deadline_seconds=2.0,
                            timings=[[9, 0.01, 0.2, 0.0]])
-        assert reply == {"reform_signal": 0, "abort": False}  # backpressure: keep waiting
+        assert reply == {"reform_signal": 0, "abort": False, "stop": None}  # backpressure: keep waiting
         _heartbeat(client, "h0", step=10, timings=[[10, 0.0, 4.6, 0.0]])  # ... and the step completes
         (stall,) = ctl.elastic_report()["stalls"]
         assert stall["step"] == 10 and stall["deadline_seconds"] == 2.0 and "all 2 members alive" in stall["response"]
@@ -113,7 +113,7 @@ def test_a_straggler_is_replaced_by_a_spare_at_a_step_boundary(tmp_path):
             time.sleep(0.05)
         replies = {}
         threads = [threading.Thread(target=lambda h=h: replies.__setitem__(h, client.call(
-            "/reform", host=h, generation=0, completed_step=7, data_position={"step": 8}, reason="change")))
+            "/reform", host=h, generation=0, completed_step=8, data_position={"step": 8}, reason="change")))
             for h in ("h0", "h1", "h2")]
         [t.start() for t in threads]
         [t.join(30) for t in threads]
@@ -143,7 +143,7 @@ def test_an_operator_drain_takes_a_host_out_at_a_step_boundary_and_bad_drains_ar
         assert _heartbeat(client, "h0", step=3)["reform_signal"] == 1
         replies = {}
         threads = [threading.Thread(target=lambda h=h: replies.__setitem__(h, client.call(
-            "/reform", host=h, generation=0, completed_step=3, data_position={"step": 4}, reason="change")))
+            "/reform", host=h, generation=0, completed_step=4, data_position={"step": 4}, reason="change")))
             for h in ("h0", "h1")]
         [t.start() for t in threads]
         [t.join(30) for t in threads]
@@ -153,3 +153,23 @@ def test_an_operator_drain_takes_a_host_out_at_a_step_boundary_and_bad_drains_ar
         assert ctl.members["h1"].status == "drained"
     finally:
         ctl.close()
+
+
+def test_a_signal_asks_every_member_to_stop_and_a_second_kills_the_workers(controller):
+    """SIGTERM on the driver: heartbeat replies carry the stop (the workers agree on the step
+    through their per-step all-gather); a second signal kills the workers and unwinds the wait."""
+    import signal
+
+    from resilient_jax.elastic.run import _KillNow, _StopOnSignal
+
+    client = ControllerClient(controller.url, "s3cret")
+    for host in ("h0", "h1"):
+        client.call("/register", host=host, region="us", devices=2, config_hash="a" * 64)
+    killed = []
+    stop = _StopOnSignal(controller, lambda: killed.append(True))
+    stop(signal.SIGTERM, None)
+    assert _heartbeat(client, "h0")["stop"] == "preempted" and not killed
+    stop.waiting = True
+    with pytest.raises(_KillNow) as second:
+        stop(signal.SIGINT, None)
+    assert killed and second.value.twice

@@ -8,14 +8,32 @@ import sys
 from pathlib import Path
 
 
+def _run_over(run_dir: Path) -> str | None:
+    """How the run ended, when no driver is running it (it removes controller.json as it exits)."""
+    if (run_dir / "elastic" / "controller.json").is_file():
+        return None
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return "the run is not running (no controller.json, no summary.json)"
+    stopped = summary.get("stopped")
+    how = f"stopped ({stopped})" if stopped else "finished"
+    return (f"the run is over: {how} at step {summary.get('final_step')}, fingerprint "
+            f"{str(summary.get('params_fingerprint'))[:16]}")
+
+
 def status(run_dir: Path) -> int:
     path = run_dir / "elastic" / "status.json"
     if not path.is_file():
         print(f"error: {path} not found: is {run_dir} the run.dir of an elastic run?", file=sys.stderr)
         return 2
     st = json.loads(path.read_text())
+    over = _run_over(run_dir)
+    if over:
+        print(over)
     print(f"controller {st['controller']}  generation {st['generation']}  step {st['step']}"
-          f"{'  finished' if st['finished'] else ''}{'  ERROR: ' + st['error'] if st['error'] else ''}")
+          f"{'  finished' if st['finished'] else ''}{'  stopping (' + st['stopping'] + ')' if st.get('stopping') else ''}"
+          f"{'  ERROR: ' + st['error'] if st['error'] else ''}")
     print(f"{'host':<8}{'region':<10}{'status':<12}{'gen':>5}{'step':>7}{'step s':>9}")
     for host, m in st["members"].items():
         print(f"{host:<8}{m['region']:<10}{m['status']:<12}{m['generation']:>5}{m['step']:>7}{m['step_seconds']:>9.3f}")
@@ -24,7 +42,8 @@ def status(run_dir: Path) -> int:
               + (f" lost {','.join(event['lost'])}" if event["lost"] else "")
               + (f" took out {','.join(event['reslotted'])}" if event.get("reslotted") else "")
               + (f" joined {','.join(event['joined'])}" if event["joined"] else "")
-              + f" resume at step {event['resume_step']}")
+              + f" resume at step {event['resume_step']}"
+              + (f" from the checkpoint {event['from_checkpoint']}" if event.get("from_checkpoint") else ""))
     return 0
 
 
@@ -33,6 +52,10 @@ def drain(run_dir: Path, host: str) -> int:
     from resilient_jax.elastic.channel import ControllerClient, ControllerError
 
     info, token_file = run_dir / "elastic" / "controller.json", run_dir / "elastic" / "token"
+    over = _run_over(run_dir) if (run_dir / "elastic").is_dir() else None
+    if over:
+        print(f"error: drain {host}: {over}; nothing to drain", file=sys.stderr)
+        return 2
     if not info.is_file():
         print(f"error: {info} not found: is {run_dir} the run.dir of a running elastic run?", file=sys.stderr)
         return 2
@@ -41,7 +64,8 @@ def drain(run_dir: Path, host: str) -> int:
     try:
         pending = client.call("/drain", retry_seconds=5, host=host)["pending"]
     except ControllerError as e:
-        print(f"error: drain {host}: {e}", file=sys.stderr)
+        print(f"error: drain {host}: {e}" + ("; is the run still running?" if "unreachable" in str(e) else ""),
+              file=sys.stderr)
         return 2
     print(f"drain {host}: it leaves at the next step boundary"
           + (f"; spare {pending['spare']} takes its slot" if pending["spare"] else "; no spare, the world shrinks"))

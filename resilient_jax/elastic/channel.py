@@ -30,6 +30,8 @@ ROUTES = {
     ("POST", "/reform"): "reform",
     ("POST", "/fault"): "fault",
     ("POST", "/progress"): "progress",
+    ("POST", "/resumed"): "resumed",
+    ("POST", "/failed"): "failed",
     ("POST", "/done"): "done",
     ("POST", "/drain"): "drain",
     ("GET", "/status"): "status",

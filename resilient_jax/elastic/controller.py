@@ -3,12 +3,14 @@
 Workers talk to it over a small JSON-over-HTTP API (stdlib `http.server`, see `channel`):
 
     POST /register  {host, region, devices, config_hash, spare} -> {accepted, run_started}
-    POST /heartbeat {host, generation, step, step_seconds, stalled_seconds, deadline_seconds, timings}
-                                                            -> {reform_signal, abort}
+    POST /heartbeat {host, generation, step, step_seconds, stalled_seconds, deadline_seconds, timings,
+                     progress}                              -> {reform_signal, abort, stop}
     POST /world     {host, after}                           -> the first world newer than `after`
     POST /reform    {host, generation, completed_step, data_position, reason} -> the next world
     POST /fault     {host, kind, step}                       (an injector announces a fault it fires)
     POST /progress  {host, generation, step}                 (first step done in a new generation)
+    POST /resumed   {host, generation, step, checkpoint, config_changes}  (a world restored from disk)
+    POST /failed    {host, error, bad_input}                 (a worker's uncaught error, before it exits)
     POST /done      {host, summary}
     POST /drain     {host}                                   (an operator takes a host out at a step boundary)
     GET  /status
@@ -17,8 +19,13 @@ Generations: world g is (members in rank order, coordination service address, re
 the member whose state everyone adopts). A new generation is formed when a member dies (its
 process exits, or it is silent for `dead_after_seconds`) or when registered newcomers wait and
 the members agree to grow. All live members of world g ask for world g+1 (`/reform`), reporting
-the last step they completed; world g+1 resumes at max(completed) + 1 from a member that
-completed it, so a fault costs zero steps.
+how many steps they completed; world g+1 resumes from max(completed) -- the state of a member
+that completed them -- so a fault costs zero steps. Step numbers follow the run's convention:
+step k is the update that brings the run to k completed steps (what its checkpoint carries).
+
+Stopping (Ctrl-C, SIGTERM: `request_stop`): every heartbeat reply says `stop`, the members agree on
+one step boundary through the per-step all-gather they already do, checkpoint there and report
+`/done` with `stopped` set.
 
 Failures are detected by liveness, never by a collective timing out: a member whose process exits,
 or whose heartbeats (sent from their own thread, so a slow step does not stop them) stop for
@@ -41,6 +48,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from resilient_jax.elastic import channel, stragglers
+from resilient_jax.run_history import DONE, RunHistory
 from resilient_jax.elastic.world import CoordinationService
 
 log = logging.getLogger(__name__)
@@ -53,7 +61,7 @@ class Member:
     devices: int
     status: str = "registered"  # registered | spare -> active -> dead | reslotted | drained | done
     last_seen: float = field(default_factory=time.monotonic)
-    step: int = -1
+    step: int = 0  # steps completed, as its last heartbeat said
     generation: int = -1
     step_seconds: float = 0.0
 
@@ -88,6 +96,7 @@ class GenerationEvent:
     steps_lost: int = 0
     reslotted: list[str] = field(default_factory=list)
     decision: dict | None = None  # the straggler decision behind a reslot, with its numbers
+    from_checkpoint: str | None = None  # the checkpoint a world resumed from, when not from memory
 
     def report(self) -> dict[str, Any]:
         origin = self.fault_at if self.fault_at is not None else self.detected_at
@@ -106,6 +115,7 @@ class GenerationEvent:
             "steps_lost": self.steps_lost,
             "reslotted": self.reslotted,
             "decision": self.decision,
+            "from_checkpoint": self.from_checkpoint,
         }
 
 
@@ -144,14 +154,23 @@ class Change:
 
 
 class RunFailed(RuntimeError):
-    pass
+    """The run cannot go on; `failure` is the first worker error reported ({host, error, bad_input}), if any."""
+
+    def __init__(self, message: str, failure: dict | None = None):
+        super().__init__(message)
+        self.failure = failure
 
 
 class Controller:
     def __init__(self, *, config_hash: str, expected_hosts: int, run_dir: Path, bind: str = "127.0.0.1",
                  port: int = 0, token: str = "", dead_after_seconds: float = 6.0, min_hosts: int = 1,
                  total_steps: int = 0, straggler_factor: float = 1.5, straggler_window: int = 10,
-                 on_dead: Callable[[str], None] | None = None):
+                 on_dead: Callable[[str], None] | None = None, console: Callable[[str], None] | None = None,
+                 run_options: dict | None = None, history: RunHistory | None = None):
+        """`console` receives one sentence per event and a progress line per logged step (the
+        driver prints them); `run_options` go to every worker as it registers (this invocation's
+        --resume / --allow-config-change / --stop-at); `history` is the run's record across
+        invocations (run_history.json), kept by the driver since rank 0 may change hands."""
         channel.check_bind(bind, token)
         self.config_hash = config_hash
         self.expected_hosts = expected_hosts
@@ -164,6 +183,14 @@ class Controller:
         self.straggler_factor, self.straggler_window = straggler_factor, straggler_window
         self._status_written = 0.0
         self.on_dead = on_dead or (lambda host: None)
+        self.console = console or (lambda text: None)
+        self.run_options = dict(run_options or {})
+        self.stop_reason: str | None = None  # "interrupted" | "preempted" once request_stop was called
+        self.failures: list[dict] = []  # workers' uncaught errors, first first
+        self.history = history
+        self._history_begun = False
+        self._started = time.perf_counter()
+        self._progress_step = -1  # the last step a progress line was printed for
         self.members: dict[str, Member] = {}
         self.world: World | None = None
         self.services: dict[int, CoordinationService] = {}
@@ -211,10 +238,13 @@ class Controller:
                 self._form(reason="start", resume_step=0, source=None, data_position=None, lost=[])
             self._lock.notify_all()
             self._write_status()
-            return {"accepted": True, "run_started": self.world is not None}
+            return {"accepted": True, "run_started": self.world is not None, "options": self.run_options}
 
     def heartbeat(self, host: str, generation: int, step: int, step_seconds: float = 0.0,
-                  stalled_seconds: float = 0.0, deadline_seconds: float = 0.0, timings: list | None = None) -> dict:
+                  stalled_seconds: float = 0.0, deadline_seconds: float = 0.0, timings: list | None = None,
+                  progress: list | None = None) -> dict:
+        """`step`: steps completed; `timings`: [step, ready s, step s, wall] per step since the last
+        heartbeat; `progress`: [step, loss, tokens/s] per logged step (printed once per step)."""
         with self._lock:
             member = self._member(host)
             member.last_seen = time.monotonic()
@@ -226,9 +256,17 @@ class Controller:
             abort = generation in self.broken
             if stalled_seconds > 0 and not abort and self.world is not None and generation == self.world.generation:
                 self._record_stall(host, step + 1, stalled_seconds, deadline_seconds)
+            for k, loss, tokens_per_s in progress or ():
+                self._print_progress(generation, k, loss, tokens_per_s)
+                if k == 1 and self._history_begun:
+                    self.history.first_loss = loss
+            if self._history_begun and step > self.history.current.last_step:
+                self.history.current.last_step = step  # saved with status.json, below
             if time.monotonic() - self._status_written > 1.0:  # keep status.json's steps fresh, cheaply
                 self._write_status()
-            return {"reform_signal": self._reform_signal(), "abort": abort}
+                if self._history_begun:
+                    self.history.save()
+            return {"reform_signal": self._reform_signal(), "abort": abort, "stop": self.stop_reason}
 
     def wait_world(self, host: str, after: int, timeout: float = 20.0) -> dict:
         deadline = time.monotonic() + timeout
@@ -272,15 +310,71 @@ class Controller:
 
     def progress(self, host: str, generation: int, step: int) -> dict:
         with self._lock:
+            if generation == 0:
+                self._begin_history(step - 1, None)  # no-op after a resume from disk was reported
             for event in self.events:
                 if event.generation == generation and event.first_step_at is None:
                     event.first_step_at = time.monotonic()
             self._write_status()
         return {}
 
+    def resumed(self, host: str, generation: int, step: int, checkpoint: str, config_changes: list | None = None) -> dict:
+        """A world started from a checkpoint on disk (not from a member's memory)."""
+        with self._lock:
+            for event in self.events:
+                if event.generation == generation:
+                    event.resume_step = step
+                    event.from_checkpoint = checkpoint
+            if generation == 0:
+                self._begin_history(step, checkpoint)
+            changed = f"; config changed (allowed): {', '.join(config_changes)}" if config_changes else ""
+            self.console(f"generation {generation} resumes from the checkpoint of step {step} ({checkpoint}){changed}")
+            self._write_status()
+        return {}
+
+    def failed(self, host: str, error: str, bad_input: bool = False) -> dict:
+        """A worker's uncaught error, reported before it exits. An input error is the same on every
+        host (a dataset, a checkpoint, a config key): the run fails at once instead of shrinking."""
+        with self._lock:
+            first = not self.failures
+            self.failures.append({"host": host, "error": error, "bad_input": bool(bad_input)})
+            log.error("worker %s failed: %s", host, error)
+            if first and not bad_input:  # an input error ends the run; the driver prints it once
+                self.console(f"worker {host} failed: {error}")
+            if bad_input:
+                self.fail(self._failure_message())
+        return {}
+
+    def worker_exited(self, host: str, code: int, last_error: str | None = None) -> None:
+        """The launcher saw `host`'s process exit with `code` != 0; `last_error` is its log's last error line."""
+        with self._lock:
+            if last_error and not any(f["host"] == host for f in self.failures):
+                self.failures.append({"host": host, "error": last_error, "bad_input": False})
+            member = self.members.get(host)
+            if member is None and self.world is None and self.summary is None:
+                # It never registered: the first world can never form.
+                self.fail(self._failure_message() if self.failures else
+                          f"worker {host} exited with code {code} before registering")
+                return
+        self.mark_dead(host, f"process exited with code {code}")
+
+    def request_stop(self, reason: str) -> None:
+        """Ctrl-C / SIGTERM on the driver: every member checkpoints at one agreed step boundary and stops."""
+        with self._lock:
+            if self.stop_reason is None:
+                self.stop_reason = reason
+                self._write_status()
+
     def done(self, host: str, summary: dict) -> dict:
         with self._lock:
             self.summary = summary
+            if self._history_begun:  # this invocation's figures, from the final rank 0
+                entry = self.history.current
+                entry.last_step = max(entry.last_step, int(summary["final_step"]))
+                for key in ("train_seconds", "compile_seconds", "data_wait_seconds", "tokens"):
+                    if summary.get(key) is not None:
+                        setattr(entry, key, summary[key])
+                self.history.end(summary.get("stopped") or DONE)
             for member in self.members.values():
                 if member.status == "active":
                     member.status = "done"
@@ -310,6 +404,8 @@ class Controller:
             self.pending_change = Change("drain", host, spare, record)
             self._detected_at = self._detected_at or time.monotonic()
             log.info("drain %s requested%s", host, f"; spare {spare} takes its slot" if spare else "")
+            self.console(f"drain {host} requested: it leaves at the next step boundary"
+                         + (f"; spare {spare} takes its slot" if spare else ""))
             self._write_status()
             return {"pending": record}
 
@@ -330,11 +426,15 @@ class Controller:
                     raise TimeoutError("the run did not finish in time")
                 self._lock.wait(timeout=0.5)
             if self.error:
-                raise RunFailed(self.error)
+                raise RunFailed(self.error, self.failures[0] if self.failures else None)
             return self.summary
 
     def fail(self, message: str) -> None:
         with self._lock:
+            if self.error is None:
+                log.error("the run failed: %s", message)
+                if self._history_begun:
+                    self.history.save()  # `ended` stays None: the next resume is a restart
             self.error = self.error or message
             self._lock.notify_all()
             self._write_status()
@@ -364,11 +464,28 @@ class Controller:
                 "failures_absorbed": sum(len(e.lost) for e in failures),
                 "fault_events": len(failures),
                 "steps_lost": sum(e.steps_lost for e in self.events),
-                "events": [e.report() for e in self.events if e.reason != "start"],
+                "events": [e.report() for e in self.events if e.reason != "start" or e.from_checkpoint],
                 "members": {h: {"region": m.region, "status": m.status} for h, m in sorted(self.members.items())},
             }
 
     # -- internals (lock held) ---------------------------------------------------------------------
+
+    def _begin_history(self, start_step: int, checkpoint: str | None) -> None:
+        if self.history is not None and not self._history_begun:
+            self._history_begun = True
+            self.history.begin(start_step, checkpoint, started=self._started)
+
+    def _failure_message(self) -> str:
+        first = self.failures[0]
+        return f"worker {first['host']} failed: {first['error']}"
+
+    def _print_progress(self, generation: int, step: int, loss: float, tokens_per_s: float) -> None:
+        if step <= self._progress_step:
+            return  # every member reports the same logged step; print it once
+        self._progress_step = step
+        hosts = len(self.world.members) if self.world is not None else 0
+        self.console(f"step {step}/{self.total_steps} | loss {loss:.4f} | {tokens_per_s:,.0f} tokens/s | "
+                     f"{hosts} hosts | generation {generation}")
 
     def _member(self, host: str) -> Member:
         member = self.members.get(host)
@@ -394,6 +511,8 @@ class Controller:
             stall = self.stalls[(world.generation, step)] = Stall(world.generation, step, deadline, set(), 0.0, alive)
             log.info("step %d stalled %.1f s on %s (deadline %.2f s): all %d members alive -> waiting (backpressure)",
                      step, waited, host, deadline, alive)
+            self.console(f"step {step} is slow on {host} ({waited:.1f} s, deadline {deadline:.1f} s); all {alive} "
+                         "hosts are alive, so the run waits")
         stall.reported_by.add(host)
         stall.longest_wait_seconds = max(stall.longest_wait_seconds, waited)
 
@@ -404,8 +523,8 @@ class Controller:
             return
         members = list(world.members)
         window = self.timings.get(world.generation, {})
-        # The first step of a world carries its warm-up; judge steady steps only.
-        steady = {k: v for k, v in window.items() if k > world.resume_step}
+        # The first step of a world (resume_step + 1) carries its warm-up; judge steady steps only.
+        steady = {k: v for k, v in window.items() if k > world.resume_step + 1}
         found = stragglers.find_straggler(steady, members, factor=self.straggler_factor, steps=self.straggler_window)
         if found is None:
             return
@@ -415,13 +534,14 @@ class Controller:
                         key=lambda h: (self.members[h].region != world.regions[found.host], h))
         step_now = max(self.members[h].step for h in members)
         decision = stragglers.decide(found, members=members, spares=spares,
-                                     remaining_steps=max(0, self.total_steps - step_now - 1),
+                                     remaining_steps=max(0, self.total_steps - step_now),
                                      reform_seconds=reform_seconds, min_hosts=self.min_hosts)
         record = {**decision.to_dict(), "generation": world.generation, "at_step": step_now}
         if self.decisions and self.decisions[-1]["generation"] == world.generation and decision.action == "keep":
             return  # already judged in this world; "keep" stands until the world changes
         self.decisions.append(record)
         log.warning("straggler %s: %s -- %s", found.host, decision.action, decision.reason)
+        self.console(f"straggler {found.host}: {decision.action} ({decision.reason})")
         if decision.action != "keep":
             self.pending_change = Change("reslot", found.host, decision.spare, record)
             self._detected_at = self._detected_at or time.monotonic()
@@ -429,6 +549,8 @@ class Controller:
 
     def _declare_dead(self, member: Member, why: str) -> None:
         log.warning("host %s declared dead: %s", member.host, why)
+        if self.error is None and self.summary is None:  # after the end, hosts going away is no news
+            self.console(f"host {member.host} is dead ({why})" + (": fenced" if "silent" in why else ""))
         was_active = member.status == "active"
         member.status = "dead"
         if was_active:
@@ -461,13 +583,14 @@ class Controller:
         if any(h not in self.reform_requests for h in live):
             return  # a live member is still in the old world; it will fail its collective and ask
         if len(live) < self.min_hosts:
-            self.fail(f"only {len(live)} hosts left ({', '.join(live) or 'none'}); runtime.min_hosts is "
+            self.fail(self._failure_message() if self.failures else
+                      f"only {len(live)} hosts left ({', '.join(live) or 'none'}); runtime.min_hosts is "
                       f"{self.min_hosts}")
             return
         change, self.pending_change = self.pending_change, None
         evicted = [change.host] if change is not None and change.host in live else []
         completed = {h: self.reform_requests[h]["completed_step"] for h in live}
-        best = max(completed.values())
+        best = max(completed.values())  # steps completed: the new world resumes from the state after step `best`
         source = min((h for h in live if completed[h] == best and h not in evicted), key=world.members.index)
         if lost:
             reason = "failure"
@@ -486,7 +609,7 @@ class Controller:
                     if self.members[h].status == "spare"][:wanted]
         for host in promoted:
             self.members[host].status = "registered"
-        self._form(reason=reason, resume_step=best + 1, source=source,
+        self._form(reason=reason, resume_step=best, source=source,
                    data_position=self.reform_requests[source]["data_position"], lost=lost, reslotted=evicted,
                    decision=change.record if change is not None else None)
 
@@ -522,27 +645,30 @@ class Controller:
                                 resume_step=resume_step, reslotted=reslotted or [], decision=decision)
         if self.reform_requests:
             # Steps lost: completed steps that the new world does not start after.
-            event.steps_lost = max(0, max(r["completed_step"] for r in self.reform_requests.values()) + 1 - resume_step)
+            event.steps_lost = max(0, max(r["completed_step"] for r in self.reform_requests.values()) - resume_step)
         self.events.append(event)
         self.reform_requests = {}
         self.pending_fault_at = None
         self._detected_at = None
         log.info("generation %d (%s): %s, resume at step %d", generation, reason, ", ".join(members), resume_step)
+        self.console(_formed_sentence(self.world, lost, joiners if old else [], reslotted or []))
         self._lock.notify_all()
         self._write_status()
 
     def _status(self) -> dict:
+        # "step": steps completed, the number the newest checkpoint of the run would carry.
         world = self.world
         return {
             "controller": self.url,
             "generation": None if world is None else world.generation,
             "world": None if world is None else world.to_dict(),
-            "step": max((m.step for m in self.members.values() if m.status in ("active", "done")), default=-1),
+            "step": max((m.step for m in self.members.values() if m.status in ("active", "done")), default=0),
             "members": {h: {"region": m.region, "status": m.status, "step": m.step, "generation": m.generation,
                             "step_seconds": round(m.step_seconds, 4)}
                         for h, m in sorted(self.members.items())},
             "events": [e.report() for e in self.events],
             "finished": self.summary is not None,
+            "stopping": self.stop_reason,
             "error": self.error,
         }
 
@@ -553,3 +679,15 @@ class Controller:
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self._status(), indent=2, sort_keys=True))
         tmp.replace(path)
+
+
+def _formed_sentence(world: World, lost: list[str], joined: list[str], reslotted: list[str]) -> str:
+    """One line for the console: which world formed, why, and where it resumes."""
+    why = {"start": "", "failure": f" after losing {', '.join(lost)}", "join": f" to admit {', '.join(joined)}",
+           "reslot": f" to replace straggler {', '.join(reslotted)}", "drain": f" to drain {', '.join(reslotted)}",
+           "collective-timeout": " after a collective timed out"}.get(world.reason, f" ({world.reason})")
+    if world.source is not None:
+        start = f"; resumes from step {world.resume_step} with {world.source}'s state in memory"
+    else:  # the first world, or every member lost its state: from the newest checkpoint, if any
+        start = "" if world.generation == 0 else "; resumes from the newest checkpoint on disk"
+    return f"generation {world.generation} formed{why}: {len(world.members)} hosts ({', '.join(world.members)}){start}"

@@ -3,15 +3,26 @@
 `python -m resilient_jax.train --config configs/cpu-4host.yaml` lands here when the config names
 regions. The driver process hosts the controller (never a worker, never touches devices), starts
 one worker per host, starts extra hosts for `join_host@STEP`, and writes the run's one
-summary.json: the training summary from the final rank 0 plus what only the controller knows.
+summary.json: the training summary from the final rank 0 plus what only the controller knows, and
+the whole run's figures across invocations (run_history.json, kept by the controller).
+
+The driver's console gets sentences and progress lines only; native output (the coordination
+service's absl/XLA logs) and the controller's log go to run.dir/elastic/logs/controller.log, each
+worker's output to its own log there. Ctrl-C or SIGTERM asks every worker to checkpoint at one
+agreed step boundary and stop (exit 130 / 143 from train.py); a second one kills them at once --
+orbax commits atomically, so the newest committed checkpoint is untouched.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import re
 import secrets
+import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -21,10 +32,19 @@ from resilient_jax import gpu_env
 from resilient_jax.config import Config, ConfigError
 from resilient_jax.elastic.controller import Controller
 from resilient_jax.elastic.launcher import LocalLauncher
+from resilient_jax.run_history import RunHistory
 
 log = logging.getLogger(__name__)
 
 HOST_FAULTS = ("kill_host", "hang_host", "delay_host", "slow_host")
+
+
+class Interrupted(RuntimeError):
+    """A second Ctrl-C / SIGTERM: the workers were killed at once, without a final checkpoint."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason  # "interrupted" | "preempted"
 
 
 def host_plan(cfg: Config, *, spares: bool = False) -> list[tuple[str, str]]:
@@ -63,10 +83,30 @@ def make_launcher(cfg: Config, **kwargs):
     return LocalLauncher(**kwargs)
 
 
-def run_elastic(cfg: Config) -> dict:
+def run_elastic(cfg: Config, *, resume: str | None = None, allow_config_change: list[str] = (),
+                stop_at: int | None = None) -> dict:
+    """Run to the end (or a stop) and return the summary; its `stopped` is None, "interrupted",
+    "preempted" or "stop_at". `resume`, `allow_config_change`, `stop_at` as for single-process runs."""
     validate(cfg)
     run_dir = Path(cfg.run.dir)
-    (run_dir / "elastic").mkdir(parents=True, exist_ok=True)
+    logs = run_dir / "elastic" / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    history = RunHistory.load(run_dir)
+    with _driver_logs_to(logs / "controller.log"):
+        summary = _drive(cfg, run_dir, {"resume": resume, "allow_config_change": list(allow_config_change),
+                                        "stop_at": stop_at}, history)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
+    if summary.get("stopped"):
+        print(f"stopped ({summary['stopped']}) at step {summary['final_step']}; rerun the same command"
+              f"{' without --stop-at' if summary['stopped'] == 'stop_at' else ''} to continue", flush=True)
+    else:
+        print(f"done: step {summary['final_step']} | generations {summary['generations']} | failures absorbed "
+              f"{summary['failures_absorbed']} | restarts {summary['restarts']} | steps lost {summary['steps_lost']} | "
+              f"fingerprint {summary['params_fingerprint'][:16]}", flush=True)
+    return summary
+
+
+def _drive(cfg: Config, run_dir: Path, options: dict, history: RunHistory) -> dict:
     config_path = run_dir / "elastic" / "config.json"
     config_path.write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True))
     token = cfg.runtime.token or os.environ.get("RESILIENT_JAX_TOKEN") or secrets.token_hex(16)
@@ -76,51 +116,165 @@ def run_elastic(cfg: Config) -> dict:
         port=cfg.runtime.port, token=token, dead_after_seconds=cfg.runtime.dead_after_seconds,
         min_hosts=cfg.runtime.min_hosts, total_steps=cfg.train.steps,
         straggler_factor=cfg.runtime.straggler_factor, straggler_window=cfg.runtime.straggler_window,
+        console=_console, run_options=options, history=history,
     )
-    (run_dir / "elastic" / "controller.json").write_text(json.dumps({"url": controller.url, "pid": os.getpid()}))
+    controller_file = run_dir / "elastic" / "controller.json"
+    controller_file.write_text(json.dumps({"url": controller.url, "pid": os.getpid()}))
     # For the operator's commands (`python -m resilient_jax.elastic drain`): readable by this user only.
     token_file = run_dir / "elastic" / "token"
     token_file.touch(mode=0o600)
     token_file.chmod(0o600)
     token_file.write_text(token)
+    logs = run_dir / "elastic" / "logs"
 
     def on_exit(host: str, code: int) -> None:
         if code != 0 and controller.summary is None:
-            controller.mark_dead(host, f"process exited with code {code}")
+            # A SIGKILL is a fault (injected or a fence), not an error the worker could have logged.
+            controller.worker_exited(host, code, None if code == -signal.SIGKILL else last_error_line(logs / f"{host}.log"))
 
     try:  # a launcher checks its cluster first (too few nodes, wrong devices): fail before training
         launcher = make_launcher(cfg, controller_url=controller.url, token=token, config_path=config_path,
-                                 log_dir=run_dir / "elastic" / "logs", on_exit=on_exit,
-                                 devices_per_host=cfg.topology.devices_per_host)
+                                 log_dir=logs, on_exit=on_exit, devices_per_host=cfg.topology.devices_per_host)
     except BaseException:
         controller.close()
+        controller_file.unlink(missing_ok=True)
         raise
     controller.on_dead = launcher.fence  # a host declared dead must stay dead
-    print(f"resilient_jax: controller {controller.url} | {len(plan)} hosts"
-          f"{f' + {sum(r.spares for r in cfg.topology.regions)} spares' if any(r.spares for r in cfg.topology.regions) else ''} in "
-          f"{len(cfg.topology.regions)} regions | config {cfg.hash}", flush=True)
-    for host, region in plan:
-        launcher.start_host(host, region)
     spares = host_plan(cfg, spares=True)
-    for host, region in spares:
-        launcher.start_host(host, region, spare=True)
-    joins = threading.Thread(target=_schedule_joins, args=(cfg, controller, launcher, len(plan) + len(spares)),
-                             daemon=True)
-    joins.start()
+    _console(f"resilient_jax: controller {controller.url} | {len(plan)} hosts"
+             f"{f' + {len(spares)} spares' if spares else ''} in {len(cfg.topology.regions)} regions | "
+             f"config {cfg.hash[:16]} | logs {logs}")
+    stop = _StopOnSignal(controller, lambda: [launcher.fence(h) for h in list(controller.members) + [h for h, _ in plan]])
     started = time.perf_counter()
     try:
-        summary = controller.wait_finished()
+        with stop.installed():
+            for host, region in plan:
+                launcher.start_host(host, region)
+            for host, region in spares:
+                launcher.start_host(host, region, spare=True)
+            joins = threading.Thread(target=_schedule_joins, args=(cfg, controller, launcher, len(plan) + len(spares)),
+                                     daemon=True)
+            joins.start()
+            try:
+                stop.waiting = True
+                if stop.killed is not None:  # the signal came while the hosts were starting
+                    raise stop.killed
+                summary = controller.wait_finished()
+                stop.waiting = False
+            except _KillNow as e:
+                how = f"{e.reason} twice" if e.twice else f"{e.reason} before training started"
+                controller.fail(f"{how}: workers killed at once")
+                from resilient_jax.checkpoint import reader
+                from resilient_jax.checkpoint.session import checkpoint_root
+
+                steps = reader.list_steps(checkpoint_root(cfg)) if cfg.checkpoint.enabled else []
+                raise Interrupted(e.reason, f"stopped at once ({how}): workers killed; "
+                                  + (f"the newest checkpoint is step {steps[-1]}; " if steps else "no checkpoint yet; ")
+                                  + "rerun the same command to continue") from None
     finally:
         codes = launcher.stop()
         report = controller.elastic_report()
         controller.close()
-    summary = {**summary, **report, "wall_seconds": time.perf_counter() - started,
-               "worker_exit_codes": codes}
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
-    print(f"done: step {summary['final_step']} | generations {summary['generations']} | failures absorbed "
-          f"{summary['failures_absorbed']} | restarts {summary['restarts']} | steps lost {summary['steps_lost']} | "
-          f"fingerprint {summary['params_fingerprint'][:16]}", flush=True)
-    return summary
+        controller_file.unlink(missing_ok=True)  # the run is over: `drain` and `status` say so
+    # The whole run's figures (every invocation, see run_history), plus what happened inside this one.
+    run = history.totals()
+    return {**summary, **report, **run, "invocation_wall_seconds": time.perf_counter() - started,
+            "worker_exit_codes": codes, "stopped": summary.get("stopped"),
+            "restarts": run["restarts"] + report["restarts"], "steps_lost": run["steps_lost"] + report["steps_lost"]}
+
+
+def _console(text: str) -> None:
+    print(text, flush=True)
+
+
+class _KillNow(BaseException):
+    """Raised by the second signal in the waiting driver (a BaseException: nothing on the way catches it)."""
+
+    def __init__(self, reason: str, twice: bool):
+        super().__init__(reason)
+        self.reason, self.twice = reason, twice
+
+
+class _StopOnSignal:
+    """SIGINT / SIGTERM in the driver: the first asks for an agreed stop, the second kills the workers."""
+
+    def __init__(self, controller: Controller, kill_workers):
+        self.controller, self.kill_workers = controller, kill_workers
+        self.signals = 0
+        self.waiting = False  # the driver is in wait_finished: the second signal may unwind it
+        self.killed: _KillNow | None = None
+
+    def __call__(self, signum, frame) -> None:
+        del frame
+        reason = "interrupted" if signum == signal.SIGINT else "preempted"
+        self.signals += 1
+        if self.controller.summary is not None:
+            return  # the run is over; the driver is writing its summary
+        if self.signals == 1 and self.controller.world is not None:
+            self.controller.request_stop(reason)
+            _console(f"{'Ctrl-C' if signum == signal.SIGINT else 'SIGTERM'}: every worker checkpoints at the next "
+                     "step boundary and stops (Ctrl-C again to stop at once, without that checkpoint)")
+            return
+        self.kill_workers()
+        self.killed = _KillNow(reason, twice=self.signals > 1)
+        if self.waiting:
+            raise self.killed
+
+    @contextlib.contextmanager
+    def installed(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {s: signal.signal(s, self) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def _driver_logs_to(path: Path):
+    """While the driver runs: the native code in this process (the coordination service writes
+    absl warnings to fd 2) and the `resilient_jax` loggers write to `path`; sys.stderr, where
+    the driver's own error lines go, stays the terminal."""
+    sys.stderr.flush()
+    terminal = os.dup(2)
+    with open(path, "ab") as log_file:
+        os.dup2(log_file.fileno(), 2)
+    python_stderr = sys.stderr
+    sys.stderr = open(terminal, "w", buffering=1, closefd=False, errors="backslashreplace")
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s controller %(levelname)s %(message)s"))
+    package_log = logging.getLogger("resilient_jax")
+    level = package_log.level
+    package_log.addHandler(handler)
+    package_log.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        package_log.removeHandler(handler)
+        package_log.setLevel(level)
+        handler.close()
+        sys.stderr.flush()
+        sys.stderr = python_stderr
+        os.dup2(terminal, 2)
+        os.close(terminal)
+
+
+_ERROR_LINE = re.compile(r"^(error: |F\d{4} |[\w.]*(Error|Exception|Exit)\b)")
+
+
+def last_error_line(log_path: Path, tail_bytes: int = 65536) -> str | None:
+    """The last line of a worker's log that reads as an error (`error: ...`, a Python exception,
+    an absl FATAL), for a worker that exited without reporting one."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - tail_bytes))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    return next((line.strip() for line in reversed(lines) if _ERROR_LINE.match(line)), None)
 
 
 def _schedule_joins(cfg: Config, controller: Controller, launcher: LocalLauncher, first_index: int) -> None:

@@ -16,7 +16,12 @@ the next world. There every member adopts the state of the member that completed
 Growth and reslots are agreed inside the world: after every step each member contributes the
 controller's latest reform signal to a tiny all-gather; when the maximum is set, every member
 re-forms at the same step boundary, and a newcomer (or a spare taking a straggler's slot) receives
-the state from a peer, never from disk.
+the state from a peer, never from disk. A stop (the driver got Ctrl-C or SIGTERM; JAX's preemption
+notice; --stop-at) rides the same all-gather: every member checkpoints at the same boundary and the
+run reports `stopped`. Ctrl-C itself is ignored here: it is the driver's to act on.
+
+Step numbers sent to the controller follow the run's convention: step k is the update that
+brings the run to k completed steps (the loop's index k-1).
 
 Failures are not detected by timeouts here: the heartbeat thread reports this host's step timings
 and, when a step runs past the stall deadline (a multiple of the recent p95 step time, with a
@@ -42,6 +47,9 @@ from pathlib import Path
 import numpy as np
 
 log = logging.getLogger("resilient_jax.worker")
+
+# Why a run stops early, as agreed across members (the all-gather takes the maximum).
+STOP_REASONS = (None, "interrupted", "preempted", "stop_at")
 
 
 @dataclass
@@ -82,10 +90,12 @@ class Heartbeat(threading.Thread):
     def __init__(self, client, host: str, interval: float, clock: StallClock):
         super().__init__(name="heartbeat", daemon=True)
         self.client, self.host, self.interval, self.clock = client, host, interval, clock
-        self.generation, self.step, self.step_seconds = -1, -1, 0.0
+        self.generation, self.step, self.step_seconds = -1, 0, 0.0  # step: steps completed
         self.reform_signal = 0
+        self.stop_reason: str | None = None  # the controller asks every member to stop (Ctrl-C, SIGTERM)
         self.on_abort = lambda generation: None
         self._timings: list[list] = []  # [step, ready s, step s, wall time] not yet reported
+        self._progress: list[list] = []  # [step, loss, tokens/s] of logged steps not yet reported
         self._lock = threading.Lock()
         self._stop = threading.Event()
 
@@ -94,25 +104,34 @@ class Heartbeat(threading.Thread):
             self._timings.append([step, ready_seconds, step_seconds, time.time()])
         self.step, self.step_seconds = step, step_seconds
 
+    def report_progress(self, step: int, loss: float, tokens_per_s: float) -> None:
+        """A logged step, for the driver's console (sent with the next heartbeat)."""
+        with self._lock:
+            self._progress.append([step, loss, tokens_per_s])
+
     def run(self) -> None:
         from resilient_jax.elastic.channel import ControllerError
 
         while not self._stop.wait(self.interval):
             with self._lock:
                 timings, self._timings = self._timings, []
+                progress, self._progress = self._progress, []
             generation = self.generation
             stalled = self.clock.stalled_for()
             try:
                 reply = self.client.call("/heartbeat", retry_seconds=0, host=self.host, generation=generation,
                                          step=self.step, step_seconds=self.step_seconds, stalled_seconds=stalled,
-                                         deadline_seconds=min(self.clock.deadline(), 1e9), timings=timings)
+                                         deadline_seconds=min(self.clock.deadline(), 1e9), timings=timings,
+                                         progress=progress)
             except ControllerError as e:
                 # Briefly unreachable: keep training; membership has not changed as far as we know.
                 log.debug("heartbeat failed: %s", e)
                 with self._lock:
                     self._timings = timings + self._timings
+                    self._progress = progress + self._progress
                 continue
             self.reform_signal = int(reply.get("reform_signal", 0))
+            self.stop_reason = reply.get("stop") or self.stop_reason
             if reply.get("abort"):
                 try:
                     self.on_abort(generation)
@@ -165,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--spare", action="store_true", help="wait outside the world until given a slot")
     args = parser.parse_args(argv)
+    # A terminal's Ctrl-C reaches the whole process group; the driver turns it into an agreed stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.host} %(levelname)s %(message)s")
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every save step at INFO
 
@@ -182,24 +203,48 @@ def main(argv: list[str] | None = None) -> int:
 
     client = ControllerClient(args.controller, os.environ.get("RESILIENT_JAX_TOKEN", ""))
     try:
-        client.call("/register", host=args.host, region=args.region, devices=args.devices, config_hash=cfg.hash,
-                    spare=args.spare)
+        registered = client.call("/register", host=args.host, region=args.region, devices=args.devices,
+                                 config_hash=cfg.hash, spare=args.spare)
     except ControllerError as e:
         print(f"error: the controller refused {args.host}: {e}", file=sys.stderr)
         return 3
     clock = StallClock(cfg.runtime.stall_floor_seconds, cfg.runtime.stall_multiple)
     heartbeat = Heartbeat(client, args.host, cfg.runtime.heartbeat_seconds, clock)
     heartbeat.start()  # right after registering: the imports below can take seconds on a busy host
-    worker = Worker(cfg, args.host, args.region, client, heartbeat)
+    worker = Worker(cfg, args.host, args.region, client, heartbeat, options=registered.get("options") or {})
     heartbeat.on_abort = worker.abort
     try:
         return worker.run()
+    except Exception as e:
+        from resilient_jax.checkpoint.store import CheckpointSaveError
+
+        # Tell the driver what went wrong before exiting, so its console names the error (and this log).
+        # ValueErrors name a key, file or field the user gave (ConfigError, DatasetError, CheckpointError).
+        bad_input = isinstance(e, (ValueError, CheckpointSaveError))
+        text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        error = text if bad_input and text else f"{type(e).__name__}: {text}"
+        if bad_input:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        else:
+            log.exception("worker %s failed", args.host)
+        try:
+            client.call("/failed", retry_seconds=5, host=args.host, error=error[:2000], bad_input=bad_input)
+        except ControllerError:
+            pass  # the controller is gone; the launcher still sees the exit code
+        heartbeat.stop()
+        # Exit now: the JAX client's exit-time shutdown would wait on peers that are failing too
+        # (seen: every worker stuck until the controller fenced it as silent).
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(2 if bad_input else 1)
     finally:
         heartbeat.stop()
 
 
 class Worker:
-    def __init__(self, cfg, host: str, region: str, client, heartbeat: Heartbeat):
+    def __init__(self, cfg, host: str, region: str, client, heartbeat: Heartbeat, options: dict | None = None):
+        """`options`: this invocation's resume / allow_config_change / stop_at (from the controller)."""
         from resilient_jax import faults as faults_lib
 
         self.cfg, self.host, self.region = cfg, host, region
@@ -214,7 +259,13 @@ class Worker:
         self._world_lock = threading.Lock()  # an abort must hit the world it was meant for
         self.totals = RunTotals()
         self.metrics = None
+        self.metrics_dropped = 0  # metrics.jsonl records the rank-0 writer dropped when it opened
         self.started = time.perf_counter()
+        options = options or {}
+        self.resume = options.get("resume")  # for this invocation's first world only
+        self.allow_config_change = list(options.get("allow_config_change") or [])
+        self.stop_at = options.get("stop_at")
+        self._last_progress: tuple[int, float] | None = None  # (step, perf_counter) of the last progress line
 
     def run(self) -> int:
         while True:
@@ -226,7 +277,7 @@ class Worker:
                 return 0
             # Out of the old world (left in _train_in); tell the controller where we stand.
             self.client.call("/reform", retry_seconds=60, host=self.host, generation=self.generation,
-                             completed_step=self.kept.completed_step, data_position=self.kept.data_position,
+                             completed_step=self.kept.completed_step + 1, data_position=self.kept.data_position,
                              reason=outcome)
 
     def abort(self, generation: int) -> None:
@@ -274,7 +325,10 @@ class Worker:
         self.heartbeat.generation = self.generation
         log.info("generation %d: rank %d of %d, resume at step %d", self.generation, rank, len(members),
                  world["resume_step"])
-        trainer = Trainer(self.cfg, devices=jax.devices())
+        # An explicit --resume names where the invocation starts; a later world that must restore
+        # from disk takes the newest checkpoint, which this run wrote itself.
+        resume = self.resume if self.generation == 0 else None
+        trainer = Trainer(self.cfg, devices=jax.devices(), resume=resume, allow_config_change=self.allow_config_change)
         ckpt = trainer.checkpoints(generation=self.generation,
                                    regions={i: world["regions"][h] for i, h in enumerate(members)})
         try:
@@ -283,6 +337,8 @@ class Worker:
                 resumed = trainer.restore(ckpt)
                 state = resumed.state if resumed else trainer.fresh_state()
                 start, position = (resumed.step, resumed.position) if resumed else (0, None)
+                if resumed and rank == 0:
+                    self._announce_resume(trainer, resumed)
             else:
                 # Everyone adopts the state of the member that completed the most steps: survivors
                 # from host memory, newcomers from that peer (not from disk).
@@ -293,7 +349,9 @@ class Worker:
                          "own copy" if world["source"] == self.host else "from a peer, over the collective, not from disk")
                 start = world["resume_step"]
                 position = _position_from_dict(world["data_position"])
+            compile_from = time.perf_counter()
             trainer.precompile(state)
+            self.totals.compile_seconds += time.perf_counter() - compile_from
             world_lib.barrier(f"compiled-{self.generation}", timeout_seconds=300)
         except jax.errors.JaxRuntimeError as e:
             # A member died while this world was forming (the adoption broadcast or the barrier
@@ -308,6 +366,18 @@ class Worker:
             loop.close()
             self._leave(ckpt)
 
+    def _announce_resume(self, trainer, resumed) -> None:
+        """Rank 0: metrics.jsonl keeps one record per step from here (the steps after the checkpoint
+        run again), the resume is logged as the single-process trainer logs it, and the controller
+        is told (generation 0's event then says where the run resumed)."""
+        metrics = self._metrics(trainer, resumed.step)
+        for event in resumed.decision.events(resumed.path):
+            metrics.event({**event, "dropped_metrics": self.metrics_dropped} if event["event"] == "resume" else event)
+        for warning in resumed.decision.warnings:
+            metrics.console(f"warning: {warning}")
+        self.client.call("/resumed", retry_seconds=5, host=self.host, generation=self.generation, step=resumed.step,
+                         checkpoint=str(resumed.path), config_changes=resumed.decision.config_changes)
+
     def _leave(self, ckpt) -> None:
         from resilient_jax.elastic import world as world_lib
 
@@ -316,6 +386,7 @@ class Worker:
         world_lib.leave(before_reset=ckpt.close)
 
     def _steps(self, trainer, loop, ckpt, state, step: int) -> str:
+        """`step`: steps completed so far (the loop index of the next step)."""
         import jax
         from jax.experimental import multihost_utils
 
@@ -323,8 +394,13 @@ class Worker:
 
         first = True
         clock = self.heartbeat.clock
+        total = self.cfg.train.steps
+        self.heartbeat.step = step  # where this world starts (a resume from disk starts past 0)
+        self._last_progress = None  # tokens/s windows do not span a re-formation
         try:
-            while step < self.cfg.train.steps:
+            while step < total:
+                if self.stop_at is not None and step >= self.stop_at:  # the same step on every member
+                    return self._finish(trainer, loop, ckpt, state, step, stopped="stop_at")
                 ready_from = time.perf_counter()
                 self.faults.delay(step, clock)
                 self.faults.arm(step)
@@ -334,29 +410,60 @@ class Worker:
                 seconds = time.perf_counter() - t0
                 clock.recent.append(seconds)
                 self.kept.completed_step = step
+                step += 1  # the step just run is step `step` in the run's numbering
                 self.heartbeat.record(step, t0 - ready_from, seconds)
                 if first:
                     self.client.call("/progress", retry_seconds=5, host=self.host, generation=self.generation,
                                      step=step)
                     first = False
-                step += 1
-                # Change the world (growth, a reslot) only when every member agrees, at the same boundary.
-                agreed = int(multihost_utils.process_allgather(np.int32(self.heartbeat.reform_signal)).max())
-                if agreed > self.generation and step < self.cfg.train.steps:
+                self._report_progress(step, seconds, loop)
+                # Change the world (growth, a reslot) or stop only when every member agrees, at the same boundary.
+                stop = max(STOP_REASONS.index(self.heartbeat.stop_reason),
+                           STOP_REASONS.index("preempted") if loop.preempted else 0)
+                signals = np.array([self.heartbeat.reform_signal, stop], np.int32)
+                agreed = np.asarray(multihost_utils.process_allgather(signals)).reshape(-1, 2).max(axis=0)
+                if agreed[1] and step < total:
+                    return self._finish(trainer, loop, ckpt, state, step, stopped=STOP_REASONS[int(agreed[1])])
+                if agreed[0] > self.generation and step < total:
+                    loop.flush_log()  # the steps since the last line, before this world's loop closes
                     self._keep(transfer.to_host(state), loop)
                     return "change"
-            ckpt.finish(step, state, loop.data_position())
-            summary = trainer.summarize(state, self.totals, time.perf_counter() - self.started, loop.data_position())
-            summary["final_step"] = step
-            if jax.process_index() == 0:
-                self.client.call("/done", retry_seconds=30, host=self.host, summary=summary)
-            return "finished"
+            return self._finish(trainer, loop, ckpt, state, step, stopped=None)
         except jax.errors.JaxRuntimeError as e:
             clock.started_at = None
-            log.warning("step %d failed in generation %d: %s", step, self.generation, str(e).splitlines()[0][:200])
-            # compute() never donates: `state` is still the state after step-1, on our devices.
+            log.warning("step %d failed in generation %d: %s", step + 1, self.generation,
+                        str(e).splitlines()[0][:200])
+            # compute() never donates: `state` is still the state after step `step`, on our devices.
             self._keep(transfer.to_host(state), loop)
             return "failure"
+
+    def _finish(self, trainer, loop, ckpt, state, step: int, *, stopped: str | None) -> str:
+        """The last checkpoint (committed before returning), then the summary from rank 0."""
+        import jax
+
+        loop.flush_log()
+        ckpt.finish(step, state, loop.data_position())
+        summary = trainer.summarize(state, self.totals, time.perf_counter() - self.started, loop.data_position())
+        summary.update(final_step=step, stopped=stopped)
+        if stopped:
+            log.info("stopped (%s) at step %d with a checkpoint", stopped, step)
+        if jax.process_index() == 0:
+            self.client.call("/done", retry_seconds=30, host=self.host, summary=summary)
+        return "finished"
+
+    def _report_progress(self, step: int, seconds: float, loop) -> None:
+        """Every train.log_every steps (and the first and last): loss and tokens/s over the window,
+        for the driver's console."""
+        cfg = self.cfg
+        now = time.perf_counter()
+        if step % cfg.train.log_every and step != cfg.train.steps and self._last_progress is not None:
+            return
+        tokens = cfg.data.global_batch * cfg.data.seq_len
+        last = self._last_progress
+        tokens_per_s = (tokens * (step - last[0]) / (now - last[1]) if last and step > last[0] and now > last[1]
+                        else tokens / seconds)
+        self._last_progress = (step, now)
+        self.heartbeat.report_progress(step, float(loop.totals.last_loss), tokens_per_s)
 
     def _keep(self, host_state, loop) -> None:
         self.kept.state = host_state
@@ -372,7 +479,11 @@ class Worker:
             return MetricsLog(trainer.run_dir, self.cfg.train.steps, enabled=False)
         if self.metrics is None:
             trainer.write_run_config()
+            # A new writer -- this invocation's first, or rank 0 changing hands -- opens at `start`:
+            # MetricsLog drops the records of later steps (an earlier invocation's past its
+            # checkpoint, or an old rank 0's) and purges them in TensorBoard: each step once.
             self.metrics = MetricsLog(trainer.run_dir, self.cfg.train.steps, progress="plain", start_step=start)
+            self.metrics_dropped = self.metrics.dropped
         return self.metrics
 
 
