@@ -213,12 +213,21 @@ class RuntimeConfig:
     # Ray only: "" starts a private Ray instance on this machine; "auto" (or host:port) attaches to a cluster.
     ray_address: str = ""
     # The controller's control channel. Bound to loopback by default; any other address requires
-    # a token (here or in $RESILIENT_JAX_TOKEN).
+    # a token (here or in $RESILIENT_JAX_TOKEN) and runtime.tls.
     bind: str = "127.0.0.1"
     # The control channel's port; 0 = one the OS picks.
     port: int = 0
     # Shared secret of the control channel (or $RESILIENT_JAX_TOKEN); required off loopback.
     token: str = ""
+    # Control-channel TLS (required off loopback). auto: a per-run CA and server certificate under
+    # run.dir/elastic/tls/, the CA handed to launched workers; files: tls_cert, tls_key, tls_ca.
+    tls: Literal["off", "auto", "files"] = "off"
+    # tls=files: the controller's certificate (PEM), valid for runtime.bind.
+    tls_cert: str = ""
+    # tls=files: the controller's private key (PEM, unencrypted; keep it mode 0600).
+    tls_key: str = ""
+    # tls=files: the CA certificate (PEM) workers and `drain` verify the controller against.
+    tls_ca: str = ""
     # How often each worker sends a heartbeat to the controller.
     heartbeat_seconds: float = 0.5
     # Liveness: a host whose heartbeats stop for this long is declared dead (and fenced); the

@@ -21,7 +21,7 @@ def controller(tmp_path):
 def test_binding_beyond_loopback_requires_a_token():
     with pytest.raises(ValueError, match="runtime.token"):
         check_bind("0.0.0.0", "")
-    check_bind("0.0.0.0", "tok")
+    check_bind("0.0.0.0", "tok", tls=True)
     check_bind("127.0.0.1", "")
 
 

@@ -60,7 +60,13 @@ def drain(run_dir: Path, host: str) -> int:
         print(f"error: {info} not found: is {run_dir} the run.dir of a running elastic run?", file=sys.stderr)
         return 2
     token = token_file.read_text().strip() if token_file.is_file() else ""
-    client = ControllerClient(json.loads(info.read_text())["url"], token)
+    controller = json.loads(info.read_text())
+    try:  # an https controller is verified against the CA the run recorded (runtime.tls)
+        ca_pem = Path(controller["tls_ca"]).read_text() if controller.get("tls_ca") else ""
+        client = ControllerClient(controller["url"], token, ca_pem=ca_pem)
+    except (OSError, ValueError) as e:
+        print(f"error: drain {host}: cannot use the run's TLS CA {controller.get('tls_ca')} ({e})", file=sys.stderr)
+        return 2
     try:
         pending = client.call("/drain", retry_seconds=5, host=host)["pending"]
     except ControllerError as e:

@@ -1,7 +1,10 @@
 """The control channel between controller and workers: JSON over HTTP (stdlib http.server/urllib).
 
-Loopback by default. Bound anywhere else, the controller refuses to start without a token, and
-every request must carry it (`Authorization: Bearer <token>`, compared in constant time).
+Loopback by default. Bound anywhere else, the controller refuses to start without a token and TLS
+(resilient_jax.elastic.tls), and every request must carry the token (`Authorization: Bearer
+<token>`, compared in constant time) inside the TLS connection. The TLS handshake runs on the
+connection's own thread, so a plaintext or wrong-CA client is dropped there without holding up
+anyone else's requests.
 Training never waits on this channel while membership is unchanged: heartbeats run on their own
 thread and tolerate a briefly unreachable controller.
 """
@@ -13,6 +16,7 @@ import ipaddress
 import json
 import logging
 import socket
+import ssl
 import threading
 import time
 import urllib.error
@@ -60,12 +64,14 @@ def is_loopback(bind: str) -> bool:
         return False
 
 
-def check_bind(bind: str, token: str) -> None:
-    if not is_loopback(bind) and not token:
-        raise ValueError(
-            f"runtime.bind is {bind}, not loopback: set runtime.token (or $RESILIENT_JAX_TOKEN) so that only "
-            "your workers can talk to the controller"
-        )
+def check_bind(bind: str, token: str, tls: bool = False) -> None:
+    if is_loopback(bind):
+        return
+    missing = ([] if token else ["runtime.token (or $RESILIENT_JAX_TOKEN)"]) + (
+        [] if tls else ["runtime.tls=auto (or runtime.tls=files with runtime.tls_cert, runtime.tls_key, runtime.tls_ca)"])
+    if missing:
+        raise ValueError(f"runtime.bind is {bind}, not loopback: set {' and '.join(missing)} so that only your "
+                         "workers can talk to the controller, and not in clear text")
 
 
 def free_port(bind: str = "127.0.0.1") -> int:
@@ -74,8 +80,12 @@ def free_port(bind: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def serve(target: Any, bind: str, port: int, token: str) -> ThreadingHTTPServer:
-    """Serve `target`'s handler methods (see ROUTES) on a background thread."""
+HANDSHAKE_SECONDS = 10.0  # a client that connects and says nothing is dropped after this
+
+
+def serve(target: Any, bind: str, port: int, token: str,
+          tls: ssl.SSLContext | None = None) -> ThreadingHTTPServer:
+    """Serve `target`'s handler methods (see ROUTES) on a background thread; over TLS with `tls`."""
 
     class Handler(BaseHTTPRequestHandler):
         def _handle(self, method: str) -> None:
@@ -111,18 +121,49 @@ def serve(target: Any, bind: str, port: int, token: str) -> ThreadingHTTPServer:
         def log_message(self, fmt: str, *args: Any) -> None:
             log.debug("controller: " + fmt, *args)
 
-    server = ThreadingHTTPServer((bind, port), Handler)
+    server = (TlsHTTPServer((bind, port), Handler, tls) if tls is not None
+              else ThreadingHTTPServer((bind, port), Handler))
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="controller-http", daemon=True).start()
     return server
 
 
+class TlsHTTPServer(ThreadingHTTPServer):
+    """Accepts on the serving thread, handshakes on the connection's thread (not in accept, where one
+    silent client would stall every other)."""
+
+    def __init__(self, address, handler, context: ssl.SSLContext):
+        self.context = context
+        super().__init__(address, handler)
+
+    def finish_request(self, request, client_address) -> None:
+        request.settimeout(HANDSHAKE_SECONDS)
+        try:
+            request = self.context.wrap_socket(request, server_side=True)
+        except (ssl.SSLError, OSError) as e:
+            # A plaintext client, one that does not trust our CA, or a port scanner: not our run's.
+            log.warning("controller: refused a connection from %s: TLS handshake failed (%s)", client_address[0], e)
+            request.close()
+            return
+        request.settimeout(None)
+        try:
+            super().finish_request(request, client_address)
+        finally:
+            self.shutdown_request(request)
+
+
 class ControllerClient:
-    def __init__(self, url: str, token: str = "", *, timeout: float = 30.0):
+    def __init__(self, url: str, token: str = "", *, ca_pem: str = "", timeout: float = 30.0):
+        """`ca_pem`: the CA an https controller's certificate must chain to (default: the system's)."""
         self.url = url.rstrip("/")
         self.port = urllib.parse.urlsplit(self.url).port
         self.token = token
         self.timeout = timeout
+        self.context = None
+        if self.url.startswith("https:"):
+            from resilient_jax.elastic.tls import client_context
+
+            self.context = client_context(ca_pem)
 
     def call(self, path: str, *, retry_seconds: float = 30.0, method: str = "POST", **body: Any) -> dict:
         """One request; connection failures are retried for `retry_seconds` (controller restarts,
@@ -135,7 +176,7 @@ class ControllerClient:
         while True:
             request = urllib.request.Request(self.url + path, data=data, headers=headers, method=method)
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                with urllib.request.urlopen(request, timeout=self.timeout, context=self.context) as response:
                     return json.loads(response.read() or b"{}")
             except urllib.error.HTTPError as e:
                 try:
@@ -144,6 +185,10 @@ class ControllerClient:
                     message = str(e)
                 raise ControllerError(message) from None
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
+                reason = getattr(e, "reason", e)
+                if isinstance(reason, ssl.SSLCertVerificationError):  # retrying cannot fix it
+                    raise ControllerError(f"the controller at {self.url} is not the one this run trusts: "
+                                          f"{reason.verify_message} (check the CA: --tls-ca / runtime.tls_ca)") from None
                 if time.monotonic() > deadline:
                     raise ControllerError(f"controller at {self.url} unreachable: {e}") from None
                 time.sleep(0.2)

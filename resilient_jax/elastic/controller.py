@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from resilient_jax.elastic import channel, stragglers
+from resilient_jax.elastic.tls import ServerTls, connect_host
 from resilient_jax.run_history import DONE, RunHistory
 from resilient_jax.elastic.world import CoordinationService
 
@@ -166,12 +167,14 @@ class Controller:
                  port: int = 0, token: str = "", dead_after_seconds: float = 6.0, min_hosts: int = 1,
                  total_steps: int = 0, straggler_factor: float = 1.5, straggler_window: int = 10,
                  on_dead: Callable[[str], None] | None = None, console: Callable[[str], None] | None = None,
-                 run_options: dict | None = None, history: RunHistory | None = None):
+                 run_options: dict | None = None, history: RunHistory | None = None,
+                 tls: ServerTls | None = None):
         """`console` receives one sentence per event and a progress line per logged step (the
         driver prints them); `run_options` go to every worker as it registers (this invocation's
         --resume / --allow-config-change / --stop-at); `history` is the run's record across
-        invocations (run_history.json), kept by the driver since rank 0 may change hands."""
-        channel.check_bind(bind, token)
+        invocations (run_history.json), kept by the driver since rank 0 may change hands. `tls`:
+        serve https with that certificate (resilient_jax.elastic.tls)."""
+        channel.check_bind(bind, token, tls is not None)
         self.config_hash = config_hash
         self.expected_hosts = expected_hosts
         self.run_dir = Path(run_dir)
@@ -212,8 +215,9 @@ class Controller:
         self.error: str | None = None
         self._lock = threading.Condition()
         self._stop = threading.Event()
-        self.server = channel.serve(self, bind, port, token)
-        self.url = f"http://{bind}:{self.server.server_address[1]}"
+        self.server = channel.serve(self, bind, port, token, tls.server_context() if tls else None)
+        self.url = (f"https://{connect_host(bind)}:{self.server.server_address[1]}" if tls
+                    else f"http://{bind}:{self.server.server_address[1]}")
         self._monitor = threading.Thread(target=self._watch, name="controller-monitor", daemon=True)
         self._monitor.start()
         self._write_status()

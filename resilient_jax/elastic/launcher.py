@@ -16,14 +16,17 @@ import threading
 import time
 from pathlib import Path
 
+from resilient_jax.elastic.tls import CA_ENV as TLS_CA_ENV
+
 log = logging.getLogger(__name__)
 
 
 class LocalLauncher:
     def __init__(self, *, controller_url: str, token: str, config_path: Path, log_dir: Path,
-                 on_exit, devices_per_host: int):
+                 on_exit, devices_per_host: int, tls_ca_pem: str = ""):
         self.controller_url = controller_url
         self.token = token
+        self.tls_ca_pem = tls_ca_pem  # the CA workers verify an https controller against
         self.config_path = config_path
         self.log_dir = log_dir
         self.on_exit = on_exit  # (host, returncode) -> None
@@ -39,7 +42,7 @@ class LocalLauncher:
         cmd = [sys.executable, "-m", "resilient_jax.elastic", "worker", "--controller", self.controller_url,
                "--host", host, "--region", region, "--config-json", str(self.config_path),
                "--devices", str(self.devices_per_host)] + (["--spare"] if spare else [])
-        env = {**os.environ, "RESILIENT_JAX_TOKEN": self.token}
+        env = {**os.environ, "RESILIENT_JAX_TOKEN": self.token, TLS_CA_ENV: self.tls_ca_pem}
         log_file = open(self.log_dir / f"{host}.log", "ab")
         with self._lock:
             self.procs[host] = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env)

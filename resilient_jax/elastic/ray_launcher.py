@@ -76,6 +76,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from resilient_jax.config import Config, ConfigError
+from resilient_jax.elastic.tls import CA_ENV as TLS_CA_ENV
 
 log = logging.getLogger(__name__)
 
@@ -364,7 +365,7 @@ class _Host:
 
 class RayLauncher:
     def __init__(self, *, cfg: Config, controller_url: str, token: str, config_path: Path, log_dir: Path,
-                 on_exit, devices_per_host: int):
+                 on_exit, devices_per_host: int, tls_ca_pem: str = ""):
         import ray
 
         from resilient_jax import faults as faults_lib
@@ -420,6 +421,7 @@ class RayLauncher:
         # settings are the node's own (a CPU-only driver must not turn GPU workers into CPU ones).
         self._env = {k: v for k, v in os.environ.items() if k.startswith("RESILIENT_JAX_")}
         self._env["RESILIENT_JAX_TOKEN"] = token
+        self._env[TLS_CA_ENV] = tls_ca_pem  # the CA's PEM text: the nodes do not share this run.dir
         self._cwd = os.getcwd()
         log.info("ray: %d usable nodes; placement %s", len(usable),
                  ", ".join(f"{h}->{n.name}" for h, n in self._planned.items()))

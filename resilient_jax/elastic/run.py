@@ -31,6 +31,7 @@ from resilient_jax import faults as faults_lib
 from resilient_jax import gpu_env
 from resilient_jax.config import Config, ConfigError
 from resilient_jax.elastic.controller import Controller
+from resilient_jax.elastic import tls as tls_lib
 from resilient_jax.elastic.launcher import LocalLauncher
 from resilient_jax.run_history import RunHistory
 
@@ -66,6 +67,7 @@ def validate(cfg: Config) -> None:
     names = [r.name for r in cfg.topology.regions]
     if len(set(names)) != len(names):
         raise ConfigError("topology.regions: region names must be unique")
+    tls_lib.check_config(cfg.runtime, cfg.runtime.token or os.environ.get("RESILIENT_JAX_TOKEN", ""))
     hosts = len(host_plan(cfg))
     for fault in faults_lib.parse_faults(cfg.faults):
         if fault.kind in HOST_FAULTS and int(fault.target) >= hosts:
@@ -111,15 +113,17 @@ def _drive(cfg: Config, run_dir: Path, options: dict, history: RunHistory) -> di
     config_path.write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True))
     token = cfg.runtime.token or os.environ.get("RESILIENT_JAX_TOKEN") or secrets.token_hex(16)
     plan = host_plan(cfg)
+    server_tls = tls_lib.prepare(cfg.runtime, run_dir)
     controller = Controller(
         config_hash=cfg.hash, expected_hosts=len(plan), run_dir=run_dir, bind=cfg.runtime.bind,
         port=cfg.runtime.port, token=token, dead_after_seconds=cfg.runtime.dead_after_seconds,
         min_hosts=cfg.runtime.min_hosts, total_steps=cfg.train.steps,
         straggler_factor=cfg.runtime.straggler_factor, straggler_window=cfg.runtime.straggler_window,
-        console=_console, run_options=options, history=history,
+        console=_console, run_options=options, history=history, tls=server_tls,
     )
     controller_file = run_dir / "elastic" / "controller.json"
-    controller_file.write_text(json.dumps({"url": controller.url, "pid": os.getpid()}))
+    controller_file.write_text(json.dumps({"url": controller.url, "pid": os.getpid(),
+                                           "tls_ca": str(server_tls.ca.resolve()) if server_tls else None}))
     # For the operator's commands (`python -m resilient_jax.elastic drain`): readable by this user only.
     token_file = run_dir / "elastic" / "token"
     token_file.touch(mode=0o600)
@@ -133,7 +137,8 @@ def _drive(cfg: Config, run_dir: Path, options: dict, history: RunHistory) -> di
             controller.worker_exited(host, code, None if code == -signal.SIGKILL else last_error_line(logs / f"{host}.log"))
 
     try:  # a launcher checks its cluster first (too few nodes, wrong devices): fail before training
-        launcher = make_launcher(cfg, controller_url=controller.url, token=token, config_path=config_path,
+        launcher = make_launcher(cfg, controller_url=controller.url, token=token,
+                                 tls_ca_pem=server_tls.ca_pem if server_tls else "", config_path=config_path,
                                  log_dir=logs, on_exit=on_exit, devices_per_host=cfg.topology.devices_per_host)
     except BaseException:
         controller.close()

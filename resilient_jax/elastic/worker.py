@@ -183,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config-json", required=True)
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--spare", action="store_true", help="wait outside the world until given a slot")
+    parser.add_argument("--tls-ca", type=Path, help="the CA file an https controller is verified against "
+                        "(runtime.tls=auto: run.dir/elastic/tls/ca.pem); launched workers get it in the environment")
     args = parser.parse_args(argv)
     # A terminal's Ctrl-C reaches the whole process group; the driver turns it into an agreed stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -201,7 +203,14 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     from resilient_jax.elastic.channel import ControllerClient, ControllerError
 
-    client = ControllerClient(args.controller, os.environ.get("RESILIENT_JAX_TOKEN", ""))
+    from resilient_jax.elastic.tls import CA_ENV
+
+    try:
+        ca_pem = args.tls_ca.read_text() if args.tls_ca else os.environ.get(CA_ENV, "")
+        client = ControllerClient(args.controller, os.environ.get("RESILIENT_JAX_TOKEN", ""), ca_pem=ca_pem)
+    except (OSError, ValueError) as e:  # ssl.SSLError is an OSError
+        print(f"error: --tls-ca {args.tls_ca or '$' + CA_ENV}: not a readable PEM CA certificate ({e})", file=sys.stderr)
+        return 3
     try:
         registered = client.call("/register", host=args.host, region=args.region, devices=args.devices,
                                  config_hash=cfg.hash, spare=args.spare)
