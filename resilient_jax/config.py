@@ -92,19 +92,32 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    """AdamW with linear warmup, cosine decay to lr * min_lr_ratio, and global-norm clipping."""
+    """An optax optimizer, a warmup + decay schedule to lr * min_lr_ratio, and global-norm clipping.
 
+    The default (adamw, cosine, decay_steps 0) is AdamW with linear warmup and cosine decay over
+    train.steps. See resilient_jax.optimizer for what each name means.
+    """
+
+    name: Literal["adamw", "lion", "adafactor", "sgd"] = "adamw"
+    schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
+    # Steps over which the schedule decays; 0 = train.steps. Set it so raising train.steps later
+    # does not silently stretch the schedule.
+    decay_steps: int = 0
+    # wsd only: the share of decay_steps spent decaying at the end (the rest is stable at lr).
+    decay_fraction: float = 0.1
+    # sgd only: heavy-ball momentum (0 = plain SGD).
+    momentum: float = 0.9
     # Peak learning rate, reached after warmup_steps.
     lr: float = 3e-3
-    # The cosine decay ends at lr * min_lr_ratio on the last step of train.steps.
+    # The decay ends at lr * min_lr_ratio after decay_steps (unused by the constant schedule).
     min_lr_ratio: float = 0.1
     # Steps of linear warmup from 0 to lr.
     warmup_steps: int = 20
-    # AdamW decoupled weight decay (not applied to norm scales).
+    # Decoupled weight decay (not applied to norm scales).
     weight_decay: float = 0.1
-    # AdamW first-moment decay.
+    # AdamW / Lion first-moment decay.
     b1: float = 0.9
-    # AdamW second-moment decay.
+    # AdamW / Lion second-moment decay.
     b2: float = 0.95
     # AdamW denominator epsilon.
     eps: float = 1e-8
@@ -340,6 +353,9 @@ RANGES: dict[str, Bound] = {
     "optimizer.b2": _unit_open(),
     "optimizer.eps": _positive(),
     "optimizer.clip_norm": _at_least(0),
+    "optimizer.decay_steps": _at_least(0),
+    "optimizer.decay_fraction": Bound(lo=0, hi=1),
+    "optimizer.momentum": _unit_open(),
     "parallel.devices": _at_least(0),
     "parallel.data": Bound(lo=1, special=(-1,)),
     "parallel.fsdp": _at_least(1),

@@ -61,11 +61,14 @@ def state_shardings(model_def: ModelDef, tx: optax.GradientTransformation, mesh)
     param_shardings = mesh_lib.shardings_from_logical(model_def.logical_axes, mesh)
     abstract_params = jax.eval_shape(model_def.init_params, jax.random.key(0))
     abstract_opt = jax.eval_shape(tx.init, abstract_params)
+    # A param-shaped leaf (Adam's moments) is sharded like its param; one of another shape
+    # (Adafactor's factored row/column moments) is replicated.
     opt_shardings = optax.tree_map_params(
         tx,
-        lambda _, sharding: sharding,
+        lambda leaf, sharding, param: sharding if leaf.shape == param.shape else mesh_lib.replicated(mesh),
         abstract_opt,
         param_shardings,
+        abstract_params,
         transform_non_params=lambda _: mesh_lib.replicated(mesh),
     )
     return TrainState(params=param_shardings, opt_state=opt_shardings)
