@@ -44,7 +44,7 @@ def bench_getitems(manifest: Manifest, ids_SxB: np.ndarray) -> float:
     start = time.perf_counter()
     for ids in ids_SxB[1:]:
         rows = layout.decode(source.__getitems__(ids.tolist()))
-        tokens, weights = rows["tokens"].astype(np.int32), rows["weights"].astype(np.float32)
+        tokens, weights = rows["tokens"], rows["weights"]
         shard_ids = manifest.shard_of(ids)
     elapsed = time.perf_counter() - start
     assert tokens.shape[0] == weights.shape[0] == shard_ids.shape[0]
@@ -53,11 +53,11 @@ def bench_getitems(manifest: Manifest, ids_SxB: np.ndarray) -> float:
 
 def bench_mapdataset(manifest: Manifest, ids_SxB: np.ndarray) -> float:
     source = grain.sources.ArrayRecordDataSource([str(manifest.shard_path(s)) for s in range(len(manifest.shards))])
-    dtype = manifest.layout.dtype
+    layout = manifest.layout
 
     def read(gid: int) -> dict[str, np.ndarray]:
-        row = np.frombuffer(source[int(gid)], dtype=dtype)[0]
-        return {"tokens": row["tokens"].astype(np.int32), "weights": row["weights"].astype(np.float32)}
+        rows = layout.decode([source[int(gid)]])
+        return {"tokens": rows["tokens"][0], "weights": rows["weights"][0]}
 
     global_batch = ids_SxB.shape[1]
     ds = grain.MapDataset.source(ids_SxB.reshape(-1)).map(read).batch(global_batch).to_iter_dataset()
