@@ -73,13 +73,20 @@ class DataConfig:
     # A directory named by data.dataset that holds no dataset is an error unless this is true
     # (then it is built there from data.src); or build it with `python -m resilient_jax.data prepare`.
     build_if_missing: bool = False
-    # Text to build a missing dataset from: a directory of text files, or "default" (the stdlib sources).
+    # Text to build a missing dataset from: a directory of text files, a .jsonl / .parquet file or a
+    # directory of them, a Hugging Face save_to_disk directory, or "default" (the stdlib sources).
     src: str = "default"
+    # How data.src is read: auto (from the extension / directory contents), text, jsonl, parquet or
+    # hf (a datasets save_to_disk directory); see resilient_jax.data.sources.
+    format: Literal["auto", "text", "jsonl", "parquet", "hf"] = "auto"
+    # The jsonl key / parquet or hf column that holds the text.
+    text_field: str = "text"
     # Data shards of a dataset that is built (a NaN shard is quarantined whole).
     shards: int = 16
     # Tokens per training sequence (records hold seq_len + 1 tokens).
     seq_len: int = 64
-    # Tokenizer of a dataset that is built (`bytes`: one token per byte).
+    # Tokenizer of a dataset that is built: `bytes` (one token per byte), `hf:PATH` (a tokenizers
+    # tokenizer.json) or `sp:PATH` (a sentencepiece .model); its sha256 is checked on resume.
     tokenizer: str = "bytes"
     # Sequences per step, the same whatever the host count (a multiple of parallel.virtual_shards).
     global_batch: int = 48

@@ -45,7 +45,8 @@ class NonFiniteStepError(RuntimeError):
 def resolve_dataset(cfg: DataConfig) -> data_lib.Manifest:
     """The configured dataset, built on first use (see data.location); verified against its manifest."""
     path = check_buildable(cfg)
-    data_lib.ensure_dataset(path, src=cfg.src, shards=cfg.shards, seq_len=cfg.seq_len, tokenizer=cfg.tokenizer)
+    data_lib.ensure_dataset(path, src=cfg.src, shards=cfg.shards, seq_len=cfg.seq_len, tokenizer=cfg.tokenizer,
+                            fmt=cfg.format, text_field=cfg.text_field)
     return data_lib.verify_dataset(path)
 
 

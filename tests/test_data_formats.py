@@ -236,3 +236,25 @@ def test_records_with_and_without_weights_decode_to_the_same_int32_and_float32()
     np.testing.assert_array_equal(a["tokens"], tokens)
     np.testing.assert_array_equal(a["tokens"], b["tokens"])
     np.testing.assert_array_equal(a["weights"], b["weights"])
+
+
+@pytest.mark.slow  # two subprocesses that import the data package
+def test_hf_tokenized_dataset_does_not_depend_on_the_thread_count(tmp_path: Path, stdlib_slice: list[str]):
+    """The tokenizers library encodes a batch on a Rayon pool; 1 thread and 4 give the same dataset."""
+    import os
+    import subprocess
+    import sys
+
+    tok = _train_hf_tokenizer(tmp_path / "tokenizer.json", stdlib_slice, vocab_size=800)
+    src = write_jsonl(tmp_path / "c.jsonl", stdlib_slice)
+    versions = set()
+    for threads in ("1", "4"):
+        code = ("import sys; from resilient_jax.data.prepare import prepare_dataset; "
+                f"print(prepare_dataset(sys.argv[1], sys.argv[2], shards=2, seq_len=32, tokenizer=sys.argv[3]).version)")
+        out = subprocess.run([sys.executable, "-c", code, str(src), str(tmp_path / f"ds{threads}"), f"hf:{tok}"],
+                             env={**os.environ, "RAYON_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "true"},
+                             capture_output=True, text=True, check=True)
+        versions.add(out.stdout.strip())
+    assert len(versions) == 1 and len(versions.pop()) == 64
+    assert prepare_dataset(src, tmp_path / "here", shards=2, seq_len=32, tokenizer=f"hf:{tok}").version \
+        == load_manifest(tmp_path / "ds1").version
