@@ -258,3 +258,37 @@ def test_hf_tokenized_dataset_does_not_depend_on_the_thread_count(tmp_path: Path
     assert len(versions) == 1 and len(versions.pop()) == 64
     assert prepare_dataset(src, tmp_path / "here", shards=2, seq_len=32, tokenizer=f"hf:{tok}").version \
         == load_manifest(tmp_path / "ds1").version
+
+
+def test_a_format_1_dataset_still_loads_with_the_same_values(tmp_path: Path):
+    """Datasets prepared before format 2 (weights stored, no tokenizer hash) read unchanged."""
+    from dataclasses import asdict
+
+    from resilient_jax.data.manifest import ShardInfo, file_sha256, manifest_from_content, write_manifest
+    from resilient_jax.data.prepare import WRITER_OPTIONS, _write_shard
+
+    texts = make_texts(60)
+    new = prepare_dataset(write_jsonl(tmp_path / "c.jsonl", texts), tmp_path / "new", shards=2, seq_len=16)
+    old_root = tmp_path / "old"
+    old_root.mkdir()
+    layout = RecordLayout(16, "<u1", has_weights=True)
+    tokens = np.frombuffer("".join(texts).encode(), np.uint8)[: new.num_records * 17].reshape(-1, 17)
+    infos = []
+    for shard, (lo, hi) in enumerate([(0, new.shards[0].records), (new.shards[0].records, new.num_records)]):
+        path = old_root / new.shards[shard].file
+        _write_shard(path, layout.encode(tokens[lo:hi], np.ones((hi - lo, 16), np.float32)))
+        infos.append(asdict(ShardInfo(path.name, hi - lo, path.stat().st_size, file_sha256(path))))
+    write_manifest(manifest_from_content(old_root, {
+        "format_version": 1, "tokenizer": "bytes", "vocab_size": 256, "seq_len": 16, "token_dtype": "<u1",
+        "writer_options": WRITER_OPTIONS, "shards": infos}))
+    old = load_manifest(old_root)
+    assert old.has_weights and old.tokenizer_sha256 == "" and old.version != new.version
+    ensure_dataset(old_root, shards=2, seq_len=16)  # the byte tokenizer is accepted without a hash
+    batches = []
+    for manifest in (old, new):
+        with HostBatchLoader(manifest, seed=3, global_batch=8) as loader:
+            batches.append([next(loader) for _ in range(3)])
+    for a, b in zip(*batches, strict=True):
+        assert a.tokens.dtype == b.tokens.dtype == np.int32 and a.weights.dtype == b.weights.dtype == np.float32
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_array_equal(a.weights, b.weights)
