@@ -105,7 +105,9 @@ class OptimizerConfig:
     train.steps. See resilient_jax.optimizer for what each name means.
     """
 
+    # The optax optimizer: adamw, lion (wants a ~3-10x smaller lr), adafactor, sgd (with momentum).
     name: Literal["adamw", "lion", "adafactor", "sgd"] = "adamw"
+    # Linear warmup, then cosine / linear decay, constant, or wsd (stable, then a linear decay).
     schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
     # Steps over which the schedule decays; 0 = train.steps. Set it so raising train.steps later
     # does not silently stretch the schedule.
