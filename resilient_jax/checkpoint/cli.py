@@ -4,6 +4,9 @@
                                       shape, dtype, bytes and sha256 (read from the manifest)
     verify PATH                       re-read every array and context field and recompute their
                                       sha256; exit 2 naming each corrupt field
+    export PATH --format safetensors --out DIR
+                                      the weights as DIR/model.safetensors + DIR/config.json (the
+                                      built-in LM in the Hugging Face Llama layout; see export.py)
 
 PATH is a step directory or a checkpoint root (its newest step). No JAX is imported, so both run
 in about a second on any machine with numpy and tensorstore. Exit codes: 0 ok, 2 a problem (one
@@ -20,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from resilient_jax.checkpoint import reader
+from resilient_jax.checkpoint.export import ExportError, cmd_export
 from resilient_jax.checkpoint.reader import ARRAY_FIELDS, CONTEXT_FIELDS, CheckpointError
 
 
@@ -130,12 +134,18 @@ def main(argv: list[str] | None = None) -> int:
     p_inspect.add_argument("--json", action="store_true", help="machine-readable output")
     p_verify = sub.add_parser("verify", help="recompute every checksum; exit 2 on corruption")
     p_verify.add_argument("path")
+    p_export = sub.add_parser("export", help="write the weights as safetensors + config.json")
+    p_export.add_argument("path")
+    p_export.add_argument("--format", default="safetensors", help="safetensors (the only one so far)")
+    p_export.add_argument("--out", required=True, help="a new or empty directory")
     args = parser.parse_args(argv)
     try:
         if args.command == "inspect":
             return cmd_inspect(args.path, args.brief, args.json)
+        if args.command == "export":
+            return cmd_export(args.path, args.format, args.out)
         return cmd_verify(args.path)
-    except CheckpointError as e:
+    except (CheckpointError, ExportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:
