@@ -1,4 +1,4 @@
-"""`python -m resilient_jax.checkpoint inspect|verify PATH` -- built on the framework-free reader.
+"""`python -m resilient_jax.checkpoint inspect|verify|export PATH` -- built on the framework-free reader.
 
     inspect PATH [--brief] [--json]   the seven fields: step, topology, commit, and every array's
                                       shape, dtype, bytes and sha256 (read from the manifest)
