@@ -1,9 +1,12 @@
-"""`python -m resilient_jax.checkpoint inspect|verify PATH` -- built on the framework-free reader.
+"""`python -m resilient_jax.checkpoint inspect|verify|export PATH` -- built on the framework-free reader.
 
     inspect PATH [--brief] [--json]   the seven fields: step, topology, commit, and every array's
                                       shape, dtype, bytes and sha256 (read from the manifest)
     verify PATH                       re-read every array and context field and recompute their
                                       sha256; exit 2 naming each corrupt field
+    export PATH --format safetensors --out DIR
+                                      the weights as DIR/model.safetensors + DIR/config.json (the
+                                      built-in LM in the Hugging Face Llama layout; see export.py)
 
 PATH is a step directory or a checkpoint root (its newest step). No JAX is imported, so both run
 in about a second on any machine with numpy and tensorstore. Exit codes: 0 ok, 2 a problem (one
@@ -22,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from resilient_jax.checkpoint import reader
+from resilient_jax.checkpoint.export import ExportError, cmd_export
 from resilient_jax.checkpoint.reader import ARRAY_FIELDS, CONTEXT_FIELDS, CheckpointError
 
 BROKEN_PIPE_EXIT = 141  # 128 + SIGPIPE: what a shell tool reports when its reader closed the pipe
@@ -134,9 +138,18 @@ def main(argv: list[str] | None = None) -> int:
     p_inspect.add_argument("--json", action="store_true", help="machine-readable output")
     p_verify = sub.add_parser("verify", help="recompute every checksum; exit 2 on corruption")
     p_verify.add_argument("path")
+    p_export = sub.add_parser("export", help="write the weights as safetensors + config.json")
+    p_export.add_argument("path")
+    p_export.add_argument("--format", default="safetensors", help="safetensors (the only one so far)")
+    p_export.add_argument("--out", required=True, help="a new or empty directory")
     args = parser.parse_args(argv)
     try:
-        code = cmd_inspect(args.path, args.brief, args.json) if args.command == "inspect" else cmd_verify(args.path)
+        if args.command == "inspect":
+            code = cmd_inspect(args.path, args.brief, args.json)
+        elif args.command == "export":
+            code = cmd_export(args.path, args.format, args.out)
+        else:
+            code = cmd_verify(args.path)
         sys.stdout.flush()  # here, not at exit, so that a closed pipe is caught below
         return code
     except BrokenPipeError:
@@ -144,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         # at /dev/null so the interpreter's final flush does not complain either.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return BROKEN_PIPE_EXIT
-    except CheckpointError as e:
+    except (CheckpointError, ExportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:
