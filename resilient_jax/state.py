@@ -44,12 +44,19 @@ class ModelDef:
         return model(tokens_BxL, dropout_key=dropout_key)
 
     def init_params(self, key: jax.Array):
-        model = TransformerLM(self.cfg, rngs=nnx.Rngs(params=key))
-        return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        return nnx.to_pure_dict(nnx.state(_build_model(self.cfg, key), nnx.Param))
+
+
+def _build_model(cfg: ModelConfig, key) -> TransformerLM:
+    # Variables keep their logical names as metadata instead of being sharded at creation (the
+    # state is born sharded by jit(init, out_shardings=...) below). Scoped to this call, so the
+    # user's own NNX setting is left as it was.
+    with nnx.use_eager_sharding(False):
+        return TransformerLM(cfg, rngs=nnx.Rngs(params=key))
 
 
 def make_model_def(cfg: ModelConfig) -> ModelDef:
-    abstract = nnx.eval_shape(lambda: TransformerLM(cfg, rngs=nnx.Rngs(params=0)))
+    abstract = nnx.eval_shape(lambda: _build_model(cfg, 0))
     graphdef, state = nnx.split(abstract, nnx.Param)
     specs = nnx.to_pure_dict(nnx.get_partition_spec(state))
     logical = jax.tree.map(tuple, specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
