@@ -60,6 +60,28 @@ GPUS_PER_NODE = 8
 GIB = 2**30
 
 
+def build_step(cfg, mesh):
+    """What the Trainer builds (resilient_jax.trainer.Trainer.__init__): plan, model, optimizer, compute, apply.
+
+    The shard plan spreads the virtual shards over the compute grid: the data x fsdp devices once
+    each shard is computed whole on one device (mesh.grid_size), the data replicas before that.
+    """
+    from resilient_jax import mesh as mesh_lib
+    from resilient_jax import state as state_lib
+    from resilient_jax import step as step_lib
+    from resilient_jax.optimizer import build_optimizer, lr_schedule
+
+    grid = mesh_lib.grid_size(mesh) if hasattr(mesh_lib, "grid_size") else mesh.shape[mesh_lib.DATA_AXIS]
+    plan = step_lib.make_shard_plan(cfg.data.global_batch, cfg.parallel.virtual_shards, grid)
+    model_def = state_lib.make_model_def(cfg.model)
+    tx = build_optimizer(cfg.optimizer, cfg.train.steps)
+    shardings = state_lib.state_shardings(model_def, tx, mesh)
+    compute = step_lib.make_compute(model_def, mesh, plan, seed=cfg.train.seed, mode=cfg.parallel.reduction,
+                                    use_dropout=cfg.model.dropout > 0)
+    apply = step_lib.make_apply(tx, lr_schedule(cfg.optimizer, cfg.train.steps), shardings, mesh)
+    return plan, model_def, tx, compute, apply
+
+
 def compile_step(cfg, data: int, fsdp: int) -> dict:
     """Compile (never run) the Trainer's compute and apply for cfg on a data x fsdp mesh of CPU devices."""
     import dataclasses
@@ -71,22 +93,10 @@ def compile_step(cfg, data: int, fsdp: int) -> dict:
     from resilient_jax import hlo_stats
     from resilient_jax import mesh as mesh_lib
     from resilient_jax import state as state_lib
-    from resilient_jax import step as step_lib
-    from resilient_jax.optimizer import build_optimizer, lr_schedule
 
     parallel = dataclasses.replace(cfg.parallel, data=data, fsdp=fsdp, tensor=1)
     mesh = mesh_lib.build_mesh(parallel, jax.devices()[: data * fsdp])
-    # What the Trainer builds (resilient_jax.trainer.Trainer.__init__). The shard plan spreads the
-    # virtual shards over the compute grid: data x fsdp devices once each shard is computed whole on
-    # one device, the data replicas before that.
-    grid = mesh_lib.grid_size(mesh) if hasattr(mesh_lib, "grid_size") else mesh.shape[mesh_lib.DATA_AXIS]
-    plan = step_lib.make_shard_plan(cfg.data.global_batch, cfg.parallel.virtual_shards, grid)
-    model_def = state_lib.make_model_def(cfg.model)
-    tx = build_optimizer(cfg.optimizer, cfg.train.steps)
-    shardings = state_lib.state_shardings(model_def, tx, mesh)
-    compute = step_lib.make_compute(model_def, mesh, plan, seed=cfg.train.seed, mode=cfg.parallel.reduction,
-                                    use_dropout=cfg.model.dropout > 0)
-    apply = step_lib.make_apply(tx, lr_schedule(cfg.optimizer, cfg.train.steps), shardings, mesh)
+    plan, model_def, tx, compute, apply = build_step(cfg, mesh)
 
     abstract = state_lib.abstract_state(model_def, tx, mesh)
     batch = mesh_lib.batch_sharding(mesh)
@@ -187,20 +197,11 @@ def _throughput_child(spec: dict) -> None:
 
     from resilient_jax import mesh as mesh_lib
     from resilient_jax import state as state_lib
-    from resilient_jax import step as step_lib
     from resilient_jax.config import load_config
-    from resilient_jax.optimizer import build_optimizer, lr_schedule
 
     cfg = load_config(spec["config"], spec["overrides"])
     mesh = mesh_lib.build_mesh(cfg.parallel, jax.local_devices())
-    grid = mesh_lib.grid_size(mesh) if hasattr(mesh_lib, "grid_size") else mesh.shape[mesh_lib.DATA_AXIS]
-    plan = step_lib.make_shard_plan(cfg.data.global_batch, cfg.parallel.virtual_shards, grid)
-    model_def = state_lib.make_model_def(cfg.model)
-    tx = build_optimizer(cfg.optimizer, cfg.train.steps)
-    shardings = state_lib.state_shardings(model_def, tx, mesh)
-    compute = step_lib.make_compute(model_def, mesh, plan, seed=cfg.train.seed, mode=cfg.parallel.reduction,
-                                    use_dropout=cfg.model.dropout > 0)
-    apply = step_lib.make_apply(tx, lr_schedule(cfg.optimizer, cfg.train.steps), shardings, mesh)
+    plan, model_def, tx, compute, apply = build_step(cfg, mesh)
     state = state_lib.init_state(model_def, tx, mesh, cfg.train.seed)
     rs = np.random.RandomState(0)
     batch = mesh_lib.batch_sharding(mesh)
