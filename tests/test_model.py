@@ -161,3 +161,23 @@ def test_importing_the_model_leaves_nnx_eager_sharding_as_the_user_set_it():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "True"
+
+
+@pytest.mark.slow
+def test_a_scanned_run_checkpoints_stacked_layers_the_reference_reader_reads(tmp_path, default_dataset):
+    """runbooks/checkpoint-format.md, "Stacked layers": blocks.<leaf> with a leading [n_layers] dim."""
+    from resilient_jax.checkpoint import reader
+    from resilient_jax.trainer import Trainer
+
+    from conftest import tiny_config
+
+    cfg = tiny_config(tmp_path / "run", "model.scan_layers=true", "model.remat=save_dots", "train.steps=2",
+                      "checkpoint.every_steps=2", "parallel.data=2")
+    summary = Trainer(cfg, devices=jax.devices()[:2]).run()
+    ckpt = reader.load(tmp_path / "run" / "checkpoints")  # verifies every checksum
+    m = cfg.model
+    assert ckpt.weights["blocks"]["attn"]["wq"].shape == (m.n_layers, m.d_model, m.n_heads, m.d_model // m.n_heads)
+    assert ckpt.weights["blocks"]["mlp_norm"]["scale"].shape == (m.n_layers, m.d_model)
+    assert "0" not in ckpt.weights["blocks"]
+    assert ckpt.config["config"]["model"]["scan_layers"] is True
+    assert ckpt.step == 2 and summary["final_step"] == 2
