@@ -132,8 +132,12 @@ class Block(nnx.Module):
         return x_BxLxD + _dropout(self.mlp(self.mlp_norm(x_BxLxD)), self.dropout, mlp_key)
 
 
-def _call_block(block: Block, x_BxLxD: jax.Array, key: jax.Array | None) -> jax.Array:
-    return block(x_BxLxD, key)
+def _with_params(block: Block, prepare_layer) -> Block:
+    """The block with `prepare_layer` applied to its parameters (a pure dict of one layer's arrays)."""
+    graphdef, params, rest = nnx.split(block, nnx.Param, ...)
+    pure = prepare_layer(nnx.to_pure_dict(params))
+    nnx.replace_by_pure_dict(params, pure)
+    return nnx.merge(graphdef, params, rest)
 
 
 class TransformerLM(nnx.Module):
@@ -166,17 +170,27 @@ class TransformerLM(nnx.Module):
         self.scan_layers = cfg.scan_layers
         self.remat = cfg.remat
 
-    def __call__(self, tokens_BxL: jax.Array, *, dropout_key: jax.Array | None = None) -> jax.Array:
-        """Logits [B, L, vocab] in float32. `dropout_key=None` is the deterministic (eval) pass."""
+    def __call__(self, tokens_BxL: jax.Array, *, dropout_key: jax.Array | None = None,
+                 prepare_layer=None) -> jax.Array:
+        """Logits [B, L, vocab] in float32. `dropout_key=None` is the deterministic (eval) pass.
+
+        `prepare_layer`: a framework hook, params -> params of the same shapes, applied to each
+        block's parameters right where that block runs (inside the layer scan, inside the remat):
+        e.g. an all-gather of fsdp shards, so only one layer is ever gathered at a time (ZeRO-3)
+        and the gather's transpose, a reduce-scatter, runs per layer in the backward pass.
+        """
         x = jnp.take(self.embed[...], tokens_BxL, axis=0).astype(self.dtype)
-        x = self._run_blocks(x, dropout_key)
+        x = self._run_blocks(x, dropout_key, prepare_layer)
         x = self.final_norm(x)
         return (x @ self.unembed[...].astype(self.dtype)).astype(jnp.float32)
 
-    def _run_blocks(self, x_BxLxD: jax.Array, dropout_key: jax.Array | None) -> jax.Array:
-        call = _call_block
+    def _run_blocks(self, x_BxLxD: jax.Array, dropout_key: jax.Array | None, prepare_layer) -> jax.Array:
+        def call_block(block: Block, x: jax.Array, key: jax.Array | None) -> jax.Array:
+            return (block if prepare_layer is None else _with_params(block, prepare_layer))(x, key)
+
+        call = call_block
         if self.remat != "none":
-            call = nnx.remat(_call_block, policy=REMAT_POLICIES[self.remat], prevent_cse=not self.scan_layers)
+            call = nnx.remat(call_block, policy=REMAT_POLICIES[self.remat], prevent_cse=not self.scan_layers)
 
         def layer_key(layer):
             return None if dropout_key is None else jax.random.fold_in(dropout_key, layer)
