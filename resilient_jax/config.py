@@ -53,6 +53,18 @@ class ModelConfig:
     rope_base: float = 10000.0
     # Compute dtype of activations; parameters and optimizer state stay float32.
     dtype: Literal["float32", "bfloat16"] = "float32"
+    # Rematerialisation around each block: none; block (keep only each block's input, recompute
+    # the rest in the backward pass); save_dots (keep the weight-matmul outputs, recompute the
+    # elementwise work and the attention scores).
+    remat: Literal["none", "block", "save_dots"] = "none"
+    # One scanned block over stacked parameters (leading "layers" dim): compile time flat in depth.
+    scan_layers: bool = False
+    # explicit: exp(scores - logsumexp) in float32, bitwise stable across layouts (see model.py);
+    # dot_product: jax.nn.dot_product_attention (cuDNN flash on GPU); no attention-prob dropout.
+    # Measured (scripts/bench_attention_bits.py, tiny, 10 invariant steps, CPU): explicit gave one
+    # fingerprint on all of 8x1 4x1 2x1 1x1 4x2 2x4 1x8; dot_product one on the multi-device
+    # layouts and another on 1 device -- so explicit is the default.
+    attention: Literal["explicit", "dot_product"] = "explicit"
 
 
 @dataclass(frozen=True)

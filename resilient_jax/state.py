@@ -37,19 +37,36 @@ class ModelDef:
     template: Any  # nnx.State with abstract values, filled by `forward`
     logical_axes: Any  # pure dict of logical-axis tuples, same structure as params
 
-    def forward(self, params, tokens_BxL: jax.Array, dropout_key: jax.Array | None = None) -> jax.Array:
+    def forward(self, params, tokens_BxL: jax.Array, dropout_key: jax.Array | None = None, *,
+                prepare_layer=None) -> jax.Array:
+        """`prepare_layer`: see TransformerLM.__call__ (a per-block params hook, e.g. a per-layer gather)."""
         state = jax.tree.map(lambda x: x, self.template)
         nnx.replace_by_pure_dict(state, params)
         model = nnx.merge(self.graphdef, state)
-        return model(tokens_BxL, dropout_key=dropout_key)
+        return model(tokens_BxL, dropout_key=dropout_key, prepare_layer=prepare_layer)
+
+    @property
+    def layer_axes(self):
+        """Logical axes of ONE block's params, as `prepare_layer` sees them (no "layers" dim)."""
+        blocks = self.logical_axes["blocks"]
+        if self.cfg.scan_layers:
+            return jax.tree.map(lambda axes: axes[1:], blocks, is_leaf=lambda x: isinstance(x, tuple))
+        return blocks[0]
 
     def init_params(self, key: jax.Array):
-        model = TransformerLM(self.cfg, rngs=nnx.Rngs(params=key))
-        return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        return nnx.to_pure_dict(nnx.state(_build_model(self.cfg, key), nnx.Param))
+
+
+def _build_model(cfg: ModelConfig, key) -> TransformerLM:
+    # Variables keep their logical names as metadata instead of being sharded at creation (the
+    # state is born sharded by jit(init, out_shardings=...) below). Scoped to this call, so the
+    # user's own NNX setting is left as it was.
+    with nnx.use_eager_sharding(False):
+        return TransformerLM(cfg, rngs=nnx.Rngs(params=key))
 
 
 def make_model_def(cfg: ModelConfig) -> ModelDef:
-    abstract = nnx.eval_shape(lambda: TransformerLM(cfg, rngs=nnx.Rngs(params=0)))
+    abstract = nnx.eval_shape(lambda: _build_model(cfg, 0))
     graphdef, state = nnx.split(abstract, nnx.Param)
     specs = nnx.to_pure_dict(nnx.get_partition_spec(state))
     logical = jax.tree.map(tuple, specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
