@@ -106,7 +106,10 @@ def test_deleted_context_field_is_refused_naming_it(run_copy):
     with pytest.raises(CheckpointError, match=r"checkpoints/4: rng: rng/rng.json is missing; .* step 2"):
         resume(run_copy)
     verify = run_cli("resilient_jax.checkpoint", "verify", str(root / "4"))
-    assert verify.returncode == 2 and verify.stderr.strip().endswith("rng: rng/rng.json is missing")
+    lines = verify.stderr.splitlines()
+    assert verify.returncode == 2 and all(line.startswith(f"error: checkpoint {root / '4'}: rng: rng/") for line in lines)
+    assert any(": rng: rng/rng.json: is missing" in line for line in lines), lines
+    assert lines[-1].endswith(f"resume from the older step 2 (--resume {root / '2'}) after verifying it"), lines
     # Accepting the offer works, and moves the broken newer step aside rather than deleting it.
     from resilient_jax.trainer import Trainer
 

@@ -260,7 +260,9 @@ def check_array_structure(step_dir: Path, field_name: str, manifest: dict[str, A
     meta_path = step_dir / field_name / "_METADATA"
     try:
         tree = json.loads(meta_path.read_bytes())["tree_metadata"]
-        names = {".".join(str(k["key"]) for k in value["key_metadata"]) for value in tree.values()}
+        # Empty subtrees (optax's EmptyState) are recorded as skipped values; they hold no array.
+        names = {".".join(str(k["key"]) for k in value["key_metadata"]) for value in tree.values()
+                 if not value["value_metadata"].get("skip_deserialize")}
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
         return [CheckpointError(step_dir, field_name, f"{field_name}/_METADATA is not orbax tree metadata ({e!r})")]
     if names != set(entries):
