@@ -1,7 +1,7 @@
 """`python -m resilient_jax.checkpoint inspect|verify PATH` -- built on the framework-free reader.
 
     inspect PATH [--brief] [--json]   the seven fields: step, topology, commit, and every array's
-                                      shape, dtype, bytes and sha256 (read from the manifest)
+                                      shape, dtype and bytes (read from the manifest)
     verify PATH [--deep]              the crc32c of every file a restore reads (against the commit
                                       manifest), the context fields' sha256, and a structural
                                       restore dry-run (shapes, dtypes; no array allocated); --deep
