@@ -120,10 +120,10 @@ def bench(config: str, overrides: list[str], saves: int, steps: int) -> dict:
             overhead += max(one_step() - normal, 0.0)
             if step > 10_000:
                 raise RuntimeError("the save never committed")
-        commit = watcher.seen_at() - t0
+        commit_s = watcher.seen_at() - t0
         store.wait()
         async_rows.append({"save_call_s": call, "stall_s": call + first - normal,
-                           "background_overhead_s": overhead, "commit_s": commit})
+                           "background_overhead_s": overhead, "commit_s": commit_s})
     store.close()
 
     sync_store = CheckpointStore(work / "sync", async_save=False)
