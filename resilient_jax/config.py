@@ -210,7 +210,7 @@ class CheckpointConfig:
     keep_every: int = 0
     # Write in the background (training stalls only for the device-to-host copy).
     async_save: bool = True
-    # Recompute every array's sha256 after a restore and refuse a mismatch.
+    # Check the crc32c of every file a restore reads (and the context sha256s) and refuse a mismatch.
     verify_on_load: bool = True
 
 
