@@ -53,6 +53,18 @@ class ModelConfig:
     rope_base: float = 10000.0
     # Compute dtype of activations; parameters and optimizer state stay float32.
     dtype: Literal["float32", "bfloat16"] = "float32"
+    # Rematerialisation around each block: none; block (keep only each block's input, recompute
+    # the rest in the backward pass); save_dots (keep the weight-matmul outputs, recompute the
+    # elementwise work and the attention scores).
+    remat: Literal["none", "block", "save_dots"] = "none"
+    # One scanned block over stacked parameters (leading "layers" dim): compile time flat in depth.
+    scan_layers: bool = False
+    # explicit: exp(scores - logsumexp) in float32, bitwise stable across layouts (see model.py);
+    # dot_product: jax.nn.dot_product_attention (cuDNN flash on GPU); no attention-prob dropout.
+    # Measured (scripts/bench_attention_bits.py, tiny, 10 invariant steps, CPU): explicit gave one
+    # fingerprint on all of 8x1 4x1 2x1 1x1 4x2 2x4 1x8; dot_product one on the multi-device
+    # layouts and another on 1 device -- so explicit is the default.
+    attention: Literal["explicit", "dot_product"] = "explicit"
 
 
 @dataclass(frozen=True)
@@ -73,13 +85,20 @@ class DataConfig:
     # A directory named by data.dataset that holds no dataset is an error unless this is true
     # (then it is built there from data.src); or build it with `python -m resilient_jax.data prepare`.
     build_if_missing: bool = False
-    # Text to build a missing dataset from: a directory of text files, or "default" (the stdlib sources).
+    # Text to build a missing dataset from: a directory of text files, a .jsonl / .parquet file or a
+    # directory of them, a Hugging Face save_to_disk directory, or "default" (the stdlib sources).
     src: str = "default"
+    # How data.src is read: auto (from the extension / directory contents), text, jsonl, parquet or
+    # hf (a datasets save_to_disk directory); see resilient_jax.data.sources.
+    format: Literal["auto", "text", "jsonl", "parquet", "hf"] = "auto"
+    # The jsonl key / parquet or hf column that holds the text.
+    text_field: str = "text"
     # Data shards of a dataset that is built (a NaN shard is quarantined whole).
     shards: int = 16
     # Tokens per training sequence (records hold seq_len + 1 tokens).
     seq_len: int = 64
-    # Tokenizer of a dataset that is built (`bytes`: one token per byte).
+    # Tokenizer of a dataset that is built: `bytes` (one token per byte), `hf:PATH` (a tokenizers
+    # tokenizer.json) or `sp:PATH` (a sentencepiece .model); its sha256 is checked on resume.
     tokenizer: str = "bytes"
     # Sequences per step, the same whatever the host count (a multiple of parallel.virtual_shards).
     global_batch: int = 48
@@ -92,19 +111,34 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    """AdamW with linear warmup, cosine decay to lr * min_lr_ratio, and global-norm clipping."""
+    """An optax optimizer, a warmup + decay schedule to lr * min_lr_ratio, and global-norm clipping.
 
+    The default (adamw, cosine, decay_steps 0) is AdamW with linear warmup and cosine decay over
+    train.steps. See resilient_jax.optimizer for what each name means.
+    """
+
+    # The optax optimizer: adamw, lion (wants a ~3-10x smaller lr), adafactor, sgd (with momentum).
+    name: Literal["adamw", "lion", "adafactor", "sgd"] = "adamw"
+    # Linear warmup, then cosine / linear decay, constant, or wsd (stable, then a linear decay).
+    schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
+    # Steps over which the schedule decays; 0 = train.steps. Set it so raising train.steps later
+    # does not silently stretch the schedule.
+    decay_steps: int = 0
+    # wsd only: the share of decay_steps spent decaying at the end (the rest is stable at lr).
+    decay_fraction: float = 0.1
+    # sgd only: heavy-ball momentum (0 = plain SGD).
+    momentum: float = 0.9
     # Peak learning rate, reached after warmup_steps.
     lr: float = 3e-3
-    # The cosine decay ends at lr * min_lr_ratio on the last step of train.steps.
+    # The decay ends at lr * min_lr_ratio after decay_steps (unused by the constant schedule).
     min_lr_ratio: float = 0.1
     # Steps of linear warmup from 0 to lr.
     warmup_steps: int = 20
-    # AdamW decoupled weight decay (not applied to norm scales).
+    # Decoupled weight decay (not applied to norm scales).
     weight_decay: float = 0.1
-    # AdamW first-moment decay.
+    # AdamW / Lion first-moment decay.
     b1: float = 0.9
-    # AdamW second-moment decay.
+    # AdamW / Lion second-moment decay.
     b2: float = 0.95
     # AdamW denominator epsilon.
     eps: float = 1e-8
@@ -176,7 +210,7 @@ class CheckpointConfig:
     keep_every: int = 0
     # Write in the background (training stalls only for the device-to-host copy).
     async_save: bool = True
-    # Recompute every array's sha256 after a restore and refuse a mismatch.
+    # Check the crc32c of every file a restore reads (and the context sha256s) and refuse a mismatch.
     verify_on_load: bool = True
 
 
@@ -349,6 +383,9 @@ RANGES: dict[str, Bound] = {
     "optimizer.b2": _unit_open(),
     "optimizer.eps": _positive(),
     "optimizer.clip_norm": _at_least(0),
+    "optimizer.decay_steps": _at_least(0),
+    "optimizer.decay_fraction": Bound(lo=0, hi=1),
+    "optimizer.momentum": _unit_open(),
     "parallel.devices": _at_least(0),
     "parallel.data": Bound(lo=1, special=(-1,)),
     "parallel.fsdp": _at_least(1),

@@ -27,6 +27,7 @@ LOGICAL_RULES: dict[str, str | None] = {
     "heads": "tensor",
     "mlp": "tensor",
     "kv": None,
+    "layers": None,  # stacked blocks of model.scan_layers: every device holds all layers' slices
 }
 
 

@@ -1,8 +1,16 @@
 """Decoder-only transformer LM in Flax NNX: RMSNorm, rotary positions, causal attention, gated MLP.
 
-Parameters carry logical axis names ("vocab", "embed", "heads", "kv", "mlp") as metadata; how those
-map to mesh axes is decided in resilient_jax.mesh, never here. Dropout takes an explicit key, so a
-forward pass is a pure function of (params, tokens, key).
+Parameters carry logical axis names ("vocab", "embed", "heads", "kv", "mlp", and "layers" for the
+stacked blocks of `scan_layers`) as metadata; how those map to mesh axes is decided in
+resilient_jax.mesh, never here. Dropout takes an explicit key, so a forward pass is a pure function
+of (params, tokens, key).
+
+How the block stack runs is configuration, not model math: `remat` wraps each block call in
+jax.checkpoint (nnx.remat) with the chosen policy, and `scan_layers` builds the blocks once with
+stacked parameters (nnx.vmap) and runs them with one nnx.scan, so compile time does not grow with
+depth. Variables are created with their logical names as metadata, never sharded at creation:
+the caller builds modules under `nnx.use_eager_sharding(False)` (resilient_jax.state does), and the
+state is born sharded by `jit(init, out_shardings=...)`.
 """
 
 from __future__ import annotations
@@ -13,9 +21,14 @@ from flax import nnx
 
 from resilient_jax.config import ModelConfig
 
-# Variables keep their logical names as metadata instead of being sharded at creation: the state
-# is born sharded by `jit(init, out_shardings=...)` in resilient_jax.state.
-nnx.use_eager_sharding(False)
+# remat name -> jax.checkpoint policy (None = save nothing but the block's inputs).
+# dots_with_no_batch_dims_saveable keeps the weight matmuls (x @ W has no batch dims) and drops
+# the attention einsums (batched over b, h), so the [b, h, L, L] scores are recomputed, not stored.
+REMAT_POLICIES = {
+    "block": None,
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+LAYERS_AXIS = "layers"
 
 _init_dense = nnx.initializers.normal(stddev=0.02)
 
@@ -64,13 +77,22 @@ class Attention(nnx.Module):
         self.wo = _param(rngs, (cfg.n_heads, head_dim, cfg.d_model), ("heads", "kv", "embed"))
         self.rope_base = cfg.rope_base
         self.dropout = cfg.dropout
+        self.attention = cfg.attention
 
     def __call__(self, x_BxLxD: jax.Array, key: jax.Array | None) -> jax.Array:
         dtype = x_BxLxD.dtype
         q = rotary(jnp.einsum("bld,dhk->blhk", x_BxLxD, self.wq[...].astype(dtype)), self.rope_base)
         k = rotary(jnp.einsum("bld,dhk->blhk", x_BxLxD, self.wk[...].astype(dtype)), self.rope_base)
         v = jnp.einsum("bld,dhk->blhk", x_BxLxD, self.wv[...].astype(dtype))
-        seq_len = x_BxLxD.shape[1]
+        if self.attention == "dot_product":
+            # XLA's softmax attention on CPU, cuDNN's fused flash attention on GPU where it applies.
+            out_BxLxHxK = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out_BxLxHxK = self._explicit_attention(q, k, v, key)
+        return jnp.einsum("blhk,hkd->bld", out_BxLxHxK, self.wo[...].astype(dtype))
+
+    def _explicit_attention(self, q, k, v, key):
+        dtype, seq_len = q.dtype, q.shape[1]
         scores_BxHxLxL = jnp.einsum("bqhk,bshk->bhqs", q, k).astype(jnp.float32) * (q.shape[-1] ** -0.5)
         causal = jnp.tril(jnp.ones((seq_len, seq_len), dtype=bool))
         scores_BxHxLxL = jnp.where(causal, scores_BxHxLxL, jnp.finfo(jnp.float32).min)
@@ -79,8 +101,7 @@ class Attention(nnx.Module):
         lse = jax.nn.logsumexp(scores_BxHxLxL, axis=-1, keepdims=True)
         probs = jnp.exp(scores_BxHxLxL - lse).astype(dtype)
         probs = _dropout(probs, self.dropout, key)
-        out_BxLxHxK = jnp.einsum("bhqs,bshk->bqhk", probs, v)
-        return jnp.einsum("blhk,hkd->bld", out_BxLxHxK, self.wo[...].astype(dtype))
+        return jnp.einsum("bhqs,bshk->bqhk", probs, v)
 
 
 class GatedMLP(nnx.Module):
@@ -111,6 +132,14 @@ class Block(nnx.Module):
         return x_BxLxD + _dropout(self.mlp(self.mlp_norm(x_BxLxD)), self.dropout, mlp_key)
 
 
+def _with_params(block: Block, prepare_layer) -> Block:
+    """The block with `prepare_layer` applied to its parameters (a pure dict of one layer's arrays)."""
+    graphdef, params, rest = nnx.split(block, nnx.Param, ...)
+    pure = prepare_layer(nnx.to_pure_dict(params))
+    nnx.replace_by_pure_dict(params, pure)
+    return nnx.merge(graphdef, params, rest)
+
+
 class TransformerLM(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         if cfg.d_model % cfg.n_heads or (cfg.d_model // cfg.n_heads) % 2:
@@ -118,20 +147,64 @@ class TransformerLM(nnx.Module):
                 f"model.d_model ({cfg.d_model}) must be divisible by model.n_heads ({cfg.n_heads}) "
                 "into an even head size (rotary positions rotate pairs)"
             )
+        if cfg.attention == "dot_product" and cfg.dropout:
+            raise ValueError(
+                f"model.attention=dot_product has no attention-probability dropout: set model.dropout=0 "
+                f"(got {cfg.dropout}) or model.attention=explicit"
+            )
         self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
-        self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+        if cfg.scan_layers:
+            # One Block whose every parameter has a leading [n_layers] dim named "layers".
+            @nnx.split_rngs(splits=cfg.n_layers)
+            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS_AXIS})
+            def stacked(layer_rngs: nnx.Rngs) -> Block:
+                return Block(cfg, rngs=layer_rngs)
+
+            self.blocks = stacked(rngs)
+        else:
+            self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
         self.final_norm = RMSNorm(cfg.d_model, rngs=rngs)
         self.unembed = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
         self.dtype = jnp.dtype(cfg.dtype)
+        self.n_layers = cfg.n_layers
+        self.scan_layers = cfg.scan_layers
+        self.remat = cfg.remat
 
-    def __call__(self, tokens_BxL: jax.Array, *, dropout_key: jax.Array | None = None) -> jax.Array:
-        """Logits [B, L, vocab] in float32. `dropout_key=None` is the deterministic (eval) pass."""
+    def __call__(self, tokens_BxL: jax.Array, *, dropout_key: jax.Array | None = None,
+                 prepare_layer=None) -> jax.Array:
+        """Logits [B, L, vocab] in float32. `dropout_key=None` is the deterministic (eval) pass.
+
+        `prepare_layer`: a framework hook, params -> params of the same shapes, applied to each
+        block's parameters right where that block runs (inside the layer scan, inside the remat):
+        e.g. an all-gather of fsdp shards, so only one layer is ever gathered at a time (ZeRO-3)
+        and the gather's transpose, a reduce-scatter, runs per layer in the backward pass.
+        """
         x = jnp.take(self.embed[...], tokens_BxL, axis=0).astype(self.dtype)
-        for layer, block in enumerate(self.blocks):
-            layer_key = None if dropout_key is None else jax.random.fold_in(dropout_key, layer)
-            x = block(x, layer_key)
+        x = self._run_blocks(x, dropout_key, prepare_layer)
         x = self.final_norm(x)
         return (x @ self.unembed[...].astype(self.dtype)).astype(jnp.float32)
+
+    def _run_blocks(self, x_BxLxD: jax.Array, dropout_key: jax.Array | None, prepare_layer) -> jax.Array:
+        def call_block(block: Block, x: jax.Array, key: jax.Array | None) -> jax.Array:
+            return (block if prepare_layer is None else _with_params(block, prepare_layer))(x, key)
+
+        call = call_block
+        if self.remat != "none":
+            call = nnx.remat(call_block, policy=REMAT_POLICIES[self.remat], prevent_cse=not self.scan_layers)
+
+        def layer_key(layer):
+            return None if dropout_key is None else jax.random.fold_in(dropout_key, layer)
+
+        if not self.scan_layers:
+            for layer, block in enumerate(self.blocks):
+                x_BxLxD = call(block, x_BxLxD, layer_key(layer))
+            return x_BxLxD
+
+        @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: LAYERS_AXIS})
+        def scan_body(x, block, layer):
+            return call(block, x, layer_key(layer))
+
+        return scan_body(x_BxLxD, self.blocks, jnp.arange(self.n_layers, dtype=jnp.uint32))
 
 
 def count_params(params) -> int:

@@ -45,7 +45,8 @@ class NonFiniteStepError(RuntimeError):
 def resolve_dataset(cfg: DataConfig) -> data_lib.Manifest:
     """The configured dataset, built on first use (see data.location); verified against its manifest."""
     path = check_buildable(cfg)
-    data_lib.ensure_dataset(path, src=cfg.src, shards=cfg.shards, seq_len=cfg.seq_len, tokenizer=cfg.tokenizer)
+    data_lib.ensure_dataset(path, src=cfg.src, shards=cfg.shards, seq_len=cfg.seq_len, tokenizer=cfg.tokenizer,
+                            fmt=cfg.format, text_field=cfg.text_field)
     return data_lib.verify_dataset(path)
 
 
@@ -237,7 +238,8 @@ class Trainer:
                     interruptible: bool = False) -> CheckpointSession:
         return CheckpointSession(self.cfg, self.mesh, self.manifest.version, resume=self.resume,
                                  allow_config_change=self.allow_config_change, generation=generation,
-                                 regions=regions, interruptible=interruptible)
+                                 regions=regions, interruptible=interruptible,
+                                 tokenizer_sha256=self.manifest.tokenizer_sha256)
 
     def restore(self, ckpt: CheckpointSession):
         """The checkpoint to resume from (validated), or None; closes `ckpt` if that fails."""
@@ -485,7 +487,8 @@ class StepLoop:
 
     def position_at(self, step: int) -> data_lib.DataPosition:
         """The data position of a state that has completed `step` steps (the loader may be ahead)."""
-        return data_lib.DataPosition.at(self.loader.order, self.trainer.manifest.version, step)
+        return data_lib.DataPosition.at(self.loader.order, self.trainer.manifest.version, step,
+                                        self.trainer.manifest.tokenizer_sha256)
 
     def close(self) -> None:
         self.loader.close()

@@ -10,12 +10,24 @@ data_cache/bench-default. Bare grain baselines, all given the loader's global id
 The ratio is loader / best baseline (target >= 0.95). With --tiny-share it also trains
 configs/tiny.yaml for a few steps and reports the share of step time spent waiting for the loader
 (it must not be the bottleneck). Prints one JSON object.
+
+    python scripts/bench_data.py --prepare [--prepare-scale 10] [--prepare-tokenizer hf:tokenizer.json]
+
+measures `python -m resilient_jax.data prepare` instead: the default corpus (the 8 MiB stdlib
+slice) written as a .jsonl file, and the same documents repeated --prepare-scale times, each
+prepared in its own subprocess; reports each one's peak RSS (the child's ru_maxrss), wall time and
+on-disk bytes per token, and the ratios large / default (flat memory: RSS ratio ~1 while the
+corpus ratio is the scale).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -44,7 +56,7 @@ def bench_getitems(manifest: Manifest, ids_SxB: np.ndarray) -> float:
     start = time.perf_counter()
     for ids in ids_SxB[1:]:
         rows = layout.decode(source.__getitems__(ids.tolist()))
-        tokens, weights = rows["tokens"].astype(np.int32), rows["weights"].astype(np.float32)
+        tokens, weights = rows["tokens"], rows["weights"]
         shard_ids = manifest.shard_of(ids)
     elapsed = time.perf_counter() - start
     assert tokens.shape[0] == weights.shape[0] == shard_ids.shape[0]
@@ -53,11 +65,11 @@ def bench_getitems(manifest: Manifest, ids_SxB: np.ndarray) -> float:
 
 def bench_mapdataset(manifest: Manifest, ids_SxB: np.ndarray) -> float:
     source = grain.sources.ArrayRecordDataSource([str(manifest.shard_path(s)) for s in range(len(manifest.shards))])
-    dtype = manifest.layout.dtype
+    layout = manifest.layout
 
     def read(gid: int) -> dict[str, np.ndarray]:
-        row = np.frombuffer(source[int(gid)], dtype=dtype)[0]
-        return {"tokens": row["tokens"].astype(np.int32), "weights": row["weights"].astype(np.float32)}
+        rows = layout.decode([source[int(gid)]])
+        return {"tokens": rows["tokens"][0], "weights": rows["weights"][0]}
 
     global_batch = ids_SxB.shape[1]
     ds = grain.MapDataset.source(ids_SxB.reshape(-1)).map(read).batch(global_batch).to_iter_dataset()
@@ -80,7 +92,14 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tiny-share", type=int, default=0, metavar="STEPS",
                         help="also measure the loader's share of step time over STEPS steps of configs/tiny.yaml")
+    parser.add_argument("--prepare", action="store_true", help="measure dataset preparation (see above)")
+    parser.add_argument("--prepare-scale", type=int, default=10)
+    parser.add_argument("--prepare-tokenizer", default="bytes")
+    parser.add_argument("--prepare-seq-len", type=int, default=1024)
     args = parser.parse_args()
+    if args.prepare:
+        print(json.dumps(bench_prepare(args.prepare_scale, args.prepare_tokenizer, args.prepare_seq_len), indent=1))
+        return
 
     manifest = load_manifest(args.dataset) if args.dataset else ensure_dataset(Path("data_cache/bench-default"))
     order = GlobalOrder.for_manifest(manifest, args.seed, args.global_batch)
@@ -106,6 +125,48 @@ def main() -> None:
         "ratio_loader_vs_best_bare_grain": round(best["loader"] / baseline, 3),
         **({"tiny_loader_share_of_step_time": loader_share_on_tiny(args.tiny_share)} if args.tiny_share else {}),
     }, indent=1))
+
+
+def bench_prepare(scale: int, tokenizer: str, seq_len: int) -> dict:
+    from resilient_jax.data.sources import iter_documents
+
+    docs = [json.dumps({"text": d.data.decode("utf-8", errors="ignore")}) + "\n"
+            for d in iter_documents("default")]
+    work = Path(tempfile.mkdtemp(prefix="bench-prepare-"))
+    runs = {}
+    for name, repeat in (("default", 1), (f"x{scale}", scale)):
+        src = work / f"{name}.jsonl"
+        with open(src, "w", encoding="utf-8") as f:
+            for _ in range(repeat):
+                f.writelines(docs)
+        out = work / f"ds-{name}"
+        cmd = [sys.executable, "-m", "resilient_jax.data", "prepare", "--src", str(src), "--out", str(out),
+               "--tokenizer", tokenizer, "--seq-len", str(seq_len), "--shards", "8"]
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        _, status, usage = os.wait4(proc.pid, 0)  # the child's own peak RSS
+        wall = time.perf_counter() - start
+        stdout, stderr = proc.stdout.read().decode(), proc.stderr.read().decode()
+        if status != 0:
+            raise SystemExit(f"prepare failed: {stderr.strip()}")
+        manifest = load_manifest(out)
+        tokens = manifest.num_records * (manifest.seq_len + 1)
+        runs[name] = {
+            "corpus_mib": round(src.stat().st_size / 2**20, 1),
+            "peak_rss_mib": round(usage.ru_maxrss / 1024, 1),
+            "wall_s": round(wall, 2),
+            "tokens": tokens,
+            "disk_bytes_per_token": round(sum(s.bytes for s in manifest.shards) / tokens, 3),
+            "record_bytes_per_token": round(manifest.layout.record_bytes / (manifest.seq_len + 1), 3),
+            "version": json.loads(stdout)["version"][:12],
+        }
+        src.unlink()
+        subprocess.run(["rm", "-rf", str(out)], check=True)
+    small, large = runs["default"], runs[f"x{scale}"]
+    return {"tokenizer": tokenizer, "seq_len": seq_len, "runs": runs,
+            "ratio_corpus": round(large["corpus_mib"] / small["corpus_mib"], 2),
+            "ratio_peak_rss": round(large["peak_rss_mib"] / small["peak_rss_mib"], 3),
+            "ratio_wall": round(large["wall_s"] / small["wall_s"], 2)}
 
 
 def loader_share_on_tiny(steps: int) -> dict[str, float]:

@@ -29,8 +29,8 @@ LOST=$!
 wait_step $RB/lost 35
 pkill -9 -f "run.dir=$RB/lost"; pkill -9 -f "$RB/lost/elastic/config.json"; sleep 1
 ls $RB/lost/checkpoints
-LAST=$(ls $RB/lost/checkpoints | grep -E '^[0-9]+$' | sort -n | tail -1)
-$PY -m resilient_jax.checkpoint verify $RB/lost/checkpoints/$LAST; echo "verify exit $?"
+# The root resolves to its newest COMMITTED step (a step killed before its commit files is not one).
+$PY -m resilient_jax.checkpoint verify $RB/lost/checkpoints; echo "verify exit $?"
 $PY -m resilient_jax.train --config configs/cpu-6host-3region.yaml --set run.dir=$RB/lost --set train.steps=60 --set checkpoint.every_steps=10 2>&1 | tail -3
 $PY -c "import json; s=json.load(open('$RB/lost/summary.json')); print('resumed run:', s['final_step'], s['params_fingerprint'][:16], s['processes'])"
 echo "== reference: 60 steps uninterrupted"

@@ -72,11 +72,13 @@ def assert_intact(root: Path, *steps: int) -> None:
         assert reader.verify(root / str(step)) == [], f"committed step {step} was damaged"
 
 
-def truncate_largest_array_file(step_dir: Path, field: str) -> Path:
+def truncate_largest_array_file(step_dir: Path, field: str) -> tuple[Path, int]:
+    """Halves the field's largest OCDBT data file; returns it and its size before."""
     files = [p for p in (step_dir / field).rglob("*") if p.is_file() and p.parent.name == "d"]
     victim = max(files, key=lambda p: p.stat().st_size)
-    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
-    return victim
+    size = victim.stat().st_size
+    victim.write_bytes(victim.read_bytes()[: size // 2])
+    return victim, size
 
 
 # -- corrupt checkpoints ---------------------------------------------------------------------------------
@@ -84,10 +86,14 @@ def truncate_largest_array_file(step_dir: Path, field: str) -> Path:
 
 def test_truncated_array_file_is_refused_by_verify_and_train(run_copy):
     root = run_copy / "checkpoints"
-    truncate_largest_array_file(root / "4", "weights")
+    victim, size = truncate_largest_array_file(root / "4", "weights")
     verify = run_cli("resilient_jax.checkpoint", "verify", str(root / "4"))
     assert verify.returncode == 2 and "Traceback" not in verify.stderr
-    assert all(": weights: array " in line for line in verify.stderr.splitlines()), verify.stderr
+    name = victim.relative_to(root / "4").as_posix()
+    assert verify.stderr.splitlines() == [
+        f"error: checkpoint {root / '4'}: weights: {name}: is {victim.stat().st_size} bytes, the commit manifest "
+        f"says {size}; resume from the older step 2 (--resume {root / '2'}) "
+        "after verifying it"], verify.stderr
     line = assert_one_error_line(train_cli(run_copy), "checkpoints/4: weights:", f"--resume {root / '2'}")
     assert "newest complete checkpoint before it is step 2" in line
     assert_intact(root, 2)
@@ -100,7 +106,10 @@ def test_deleted_context_field_is_refused_naming_it(run_copy):
     with pytest.raises(CheckpointError, match=r"checkpoints/4: rng: rng/rng.json is missing; .* step 2"):
         resume(run_copy)
     verify = run_cli("resilient_jax.checkpoint", "verify", str(root / "4"))
-    assert verify.returncode == 2 and verify.stderr.strip().endswith("rng: rng/rng.json is missing")
+    lines = verify.stderr.splitlines()
+    assert verify.returncode == 2 and all(line.startswith(f"error: checkpoint {root / '4'}: rng: rng/") for line in lines)
+    assert any(": rng: rng/rng.json: is missing" in line for line in lines), lines
+    assert lines[-1].endswith(f"resume from the older step 2 (--resume {root / '2'}) after verifying it"), lines
     # Accepting the offer works, and moves the broken newer step aside rather than deleting it.
     from resilient_jax.trainer import Trainer
 
@@ -123,7 +132,10 @@ def test_edited_config_hash_is_refused(run_copy):
 
 
 def _rewrite_context(step_dir: Path, field: str, edit) -> None:
-    """Edits a context field the way a legitimate writer would (manifest checksum updated too)."""
+    """Edits a context field the way a legitimate writer would (manifest checksum and commit manifest
+    updated too)."""
+    from resilient_jax.checkpoint import commit
+
     path = reader.context_file(step_dir, field)
     obj = json.loads(path.read_text())
     edit(obj)
@@ -132,6 +144,7 @@ def _rewrite_context(step_dir: Path, field: str, edit) -> None:
     manifest = json.loads(manifest_path.read_text())
     manifest["context_sha256"][field] = json_sha256(obj)
     manifest_path.write_text(json.dumps(manifest))
+    commit.write(step_dir, int(step_dir.name), 0, 1)
 
 
 def test_another_dataset_version_is_refused(run_copy):

@@ -66,4 +66,4 @@ def test_prepare_errors_are_one_line_with_exit_status_2(tmp_path: Path):
     result = run_cli("prepare", "--src", str(tmp_path / "src"), "--out", str(tmp_path / "ds"),
                      "--tokenizer", "wordpiece")
     assert result.returncode == 2
-    assert result.stderr == "error: unknown tokenizer 'wordpiece'; known tokenizers: bytes\n"
+    assert result.stderr == "error: unknown tokenizer 'wordpiece'; known tokenizers: bytes, hf:PATH, sp:PATH\n"

@@ -16,7 +16,7 @@ from resilient_jax.data import (
     verify_dataset,
 )
 from resilient_jax.data import tokenizer as tokenizer_module
-from resilient_jax.data.sources import collect_texts
+from resilient_jax.data.sources import iter_documents
 
 WORDS = ["alpha", "beta", "gamma", "delta", "jax", "grain", "shard", "step", "\n", "é"]
 
@@ -66,7 +66,8 @@ def test_manifest_records_the_layout_and_its_version_is_the_canonical_hash(src: 
     version = doc.pop("version")
     canonical = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
     assert version == manifest.version == hashlib.sha256(canonical).hexdigest()
-    assert (doc["format_version"], doc["tokenizer"], doc["seq_len"]) == (1, "bytes", 16)
+    assert (doc["format_version"], doc["tokenizer"], doc["seq_len"]) == (2, "bytes", 16)
+    assert (doc["token_dtype"], doc["has_weights"]) == ("<u1", False)
     for shard in doc["shards"]:
         path = tmp_path / "ds" / shard["file"]
         assert hashlib.sha256(path.read_bytes()).hexdigest() == shard["sha256"]
@@ -115,7 +116,7 @@ def test_bad_inputs_get_one_clear_error(src: Path, tmp_path: Path):
         load_manifest(tmp_path / "nowhere")
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "x.bin").write_bytes(b"\x00")
-    with pytest.raises(DatasetError, match=r"source directory .*empty has no text files"):
+    with pytest.raises(DatasetError, match=r"source .*empty has no text"):
         prepare_dataset(tmp_path / "empty", tmp_path / "out")
     with pytest.raises(DatasetError, match=r"unknown tokenizer 'sentencepiece'; known tokenizers: bytes"):
         prepare_dataset(src, tmp_path / "out", tokenizer="sentencepiece")
@@ -146,8 +147,8 @@ def test_tokenizers_are_pluggable_by_name(src: Path, tmp_path: Path, monkeypatch
 
 
 def test_default_source_is_stdlib_py_without_tests_in_sorted_order():
-    texts = collect_texts("default", max_bytes=200_000)
-    paths = [t.rel_path for t in texts]
+    texts = list(iter_documents("default", max_bytes=200_000))
+    paths = [t.where for t in texts]
     assert paths == sorted(paths) and all(p.endswith(".py") for p in paths)
     assert not any(part in {"test", "tests", "site-packages"} for p in paths for part in p.split("/"))
     assert sum(len(t.data) for t in texts) == 200_000

@@ -1,7 +1,14 @@
-"""GPU configs cannot train here; their step must still lower on an abstract mesh of the intended size."""
+"""GPU configs cannot train here; their step must still lower on an abstract mesh of the intended size,
+and compile (really partitioned, buffers assigned) as a reduced copy on emulated CPU devices.
+
+The per-device peak of the full-size configs is measured by `scripts/bench_scale.py --sections gpu`
+(one node's program, real widths, 1 and 2 layers, extrapolated to the configs' depth).
+"""
 
 from __future__ import annotations
 
+import math
+import sys
 from dataclasses import dataclass
 
 import jax
@@ -16,6 +23,9 @@ from resilient_jax.model import count_params
 from resilient_jax.optimizer import build_optimizer, lr_schedule
 
 from conftest import REPO
+
+sys.path.insert(0, str(REPO / "scripts"))
+import bench_scale  # noqa: E402  (scripts/ is not a package)
 
 # config -> (intended device count, expected parameter count range in billions)
 GPU_CONFIGS = {
@@ -35,7 +45,7 @@ def test_gpu_config_step_lowers_on_its_abstract_mesh(name):
     tx = build_optimizer(cfg.optimizer, cfg.train.steps)
     abstract = state_lib.abstract_state(model_def, tx, mesh)
     assert lo <= count_params(abstract.params) / 1e9 <= hi
-    plan = step_lib.make_shard_plan(cfg.data.global_batch, cfg.parallel.virtual_shards, mesh.shape["data"])
+    plan = step_lib.make_shard_plan(cfg.data.global_batch, cfg.parallel.virtual_shards, _plan_devices(mesh))
     compute = step_lib.make_compute(model_def, mesh, plan, seed=0, mode=cfg.parallel.reduction, use_dropout=False)
     apply = step_lib.make_apply(tx, lr_schedule(cfg.optimizer, cfg.train.steps),
                                 state_lib.state_shardings(model_def, tx, mesh), mesh)
@@ -45,13 +55,16 @@ def test_gpu_config_step_lowers_on_its_abstract_mesh(name):
     step = jax.ShapeDtypeStruct((), jnp.int32, sharding=mesh_lib.replicated(mesh))
     compute_hlo = compute.trace(abstract.params, tokens, weights, step).lower(lowering_platforms=("cuda",)).as_text()
     apply_hlo = apply.trace(abstract, abstract.params, step).lower(lowering_platforms=("cuda",)).as_text()
-    # The cross-replica reduction is the invariant one (all_to_all + all_gather), and weights are
-    # sharded over fsdp inside a replica.
-    assert "all_to_all" in compute_hlo and "all_gather" in compute_hlo
+    # Weights are gathered over fsdp and gradients reduced across the devices.
+    assert "all_gather" in compute_hlo
+    assert any(op in compute_hlo for op in ("all_to_all", "reduce_scatter", "all_reduce"))
     assert f"num_partitions = {devices}" in compute_hlo
-    wq = abstract.params["blocks"][0]["attn"]["wq"]
+    # Scanned layers: one stacked wq, its "layers" dim replicated, d_model over fsdp.
+    assert cfg.model.scan_layers
+    wq = abstract.params["blocks"]["attn"]["wq"]
+    assert wq.shape[0] == cfg.model.n_layers
     # One replica per node: fsdp spans the GPUs of a node, data spans the nodes.
-    assert wq.sharding.spec[0] == "fsdp" and mesh.shape["fsdp"] == GPUS_PER_NODE
+    assert wq.sharding.spec[:2] == (None, "fsdp") and mesh.shape["fsdp"] == GPUS_PER_NODE
     assert mesh.shape["data"] == devices // GPUS_PER_NODE
     assert "tf.aliasing_output" in apply_hlo  # the apply phase donates the old state
 
@@ -78,14 +91,61 @@ def test_46node_config_topology_is_its_mesh_and_an_fsdp_group_is_one_node():
     assert dict(mesh.shape) == {"data": 46, "fsdp": 8, "tensor": 1}
     for replica in range(hosts):
         assert {d.process_index for d in mesh.devices[replica].flat} == {replica}
-    # Losing nodes or whole regions never changes the global batch, and the survivors stay within
-    # the memory the config's header budgets for (<= 4 stacked shard gradients per GPU).
+    # Losing nodes or whole regions never changes the global batch, and no survivor runs more than
+    # the 4 shards per GPU the config's header budgets for.
     regions = {r.name: r.hosts for r in topo.regions}
     for lost in ([], ["ap-northeast"], ["us-east"], ["us-east", "ap-northeast"]):
-        replicas = hosts - sum(regions[name] for name in lost)
-        assert replicas >= cfg.runtime.min_hosts
-        plan = step_lib.make_shard_plan(cfg.data.global_batch, cfg.parallel.virtual_shards, replicas)
+        nodes = hosts - sum(regions[name] for name in lost)
+        assert nodes >= cfg.runtime.min_hosts
+        gpus = nodes * GPUS_PER_NODE
+        plan = step_lib.make_shard_plan(cfg.data.global_batch, cfg.parallel.virtual_shards, gpus)
         assert plan.rows_per_shard * plan.num_shards == cfg.data.global_batch
-        assert plan.rows_per_shard % cfg.parallel.fsdp == 0  # a shard's rows can split over a node's GPUs
-        assert plan.shards_per_replica <= 4
+        assert -(-plan.num_shards // gpus) <= 4
     assert cfg.runtime.launcher == "ray" and cfg.runtime.token == ""
+
+
+def _plan_devices(mesh) -> int:
+    """How many devices the shard plan spreads shards over, as the Trainer counts them."""
+    if hasattr(mesh_lib, "grid_size"):
+        return mesh_lib.grid_size(mesh)
+    return mesh.shape["data"]
+
+
+@pytest.mark.parametrize("name", sorted(GPU_CONFIGS))
+def test_gpu_config_shards_are_a_multiple_of_the_data_x_fsdp_devices(name):
+    """Each virtual shard is computed whole on one device of the data x fsdp grid: no device idles."""
+    devices, _ = GPU_CONFIGS[name]
+    cfg = load_config(REPO / "configs" / f"{name}.yaml")
+    sizes = mesh_lib.mesh_shape(cfg.parallel, devices)
+    assert cfg.parallel.virtual_shards % (sizes["data"] * sizes["fsdp"]) == 0
+    assert cfg.data.global_batch % cfg.parallel.virtual_shards == 0
+
+
+# Widths small enough to compile on 2 CPU cores in seconds; depth, rows per shard, dtype and the
+# remat/scan/attention settings are the config's own.
+REDUCED = ["model.d_model=128", "model.d_ff=256", "model.n_heads=4", "model.vocab_size=512", "model.n_layers=2",
+           "data.seq_len=64"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(GPU_CONFIGS))
+def test_gpu_config_compiles_as_a_reduced_copy_on_emulated_devices(name):
+    """Compiled, not just lowered: XLA partitions the program and assigns every buffer."""
+    devices, _ = GPU_CONFIGS[name]
+    full = load_config(REPO / "configs" / f"{name}.yaml")
+    rows = full.data.global_batch // full.parallel.virtual_shards
+    shards_per_device = full.parallel.virtual_shards // devices
+    data, fsdp = 2, 4  # both axes > 1, like the cluster's (nodes, GPUs per node)
+    shards = shards_per_device * data * fsdp
+    cfg = load_config(REPO / "configs" / f"{name}.yaml",
+                      [*REDUCED, f"parallel.virtual_shards={shards}", f"data.global_batch={shards * rows}"])
+    report = bench_scale.compile_step(cfg, data, fsdp)
+    assert report["rows_per_shard"] == rows and report["virtual_shards"] == shards
+    compute = report["compute"]
+    assert compute["temp_bytes"] > 0 and compute["dot_flops"] > 0
+    assert compute["unknown_trip_counts"] == 0
+    assert compute["collective_bytes_total"] > 0
+    # The whole state on one device would be 16 B/param; sharded over fsdp each device holds 1/fsdp
+    # of the optimizer state.
+    n_params = count_params(jax.eval_shape(state_lib.make_model_def(cfg.model).init_params, jax.random.key(0)))
+    assert report["opt_state_bytes"] <= math.ceil(8 * n_params / fsdp) + 1024

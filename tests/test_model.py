@@ -1,12 +1,18 @@
-"""Model: shapes, logical axes on every parameter, causality, explicit-key dropout."""
+"""Model: shapes, logical axes on every parameter, causality, explicit-key dropout, and the
+block-stack options (remat, scanned layers, fused attention)."""
 
 from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from resilient_jax.config import ModelConfig
+from resilient_jax.config import ConfigError, ModelConfig, load_config
 from resilient_jax.model import count_params
 from resilient_jax.state import make_model_def
 
@@ -67,3 +73,150 @@ def test_dropout_only_with_an_explicit_key():
     np.testing.assert_array_equal(np.asarray(k1), np.asarray(k1_again))
     assert not np.array_equal(np.asarray(k1), np.asarray(k2))
     assert not np.array_equal(np.asarray(k1), np.asarray(det1))
+
+
+def _stack_layers(params, n_layers):
+    """The unrolled params in the scan_layers layout: blocks.<i>.<leaf> -> blocks.<leaf>[i]."""
+    stacked = dict(params)
+    stacked["blocks"] = jax.tree.map(lambda *xs: jnp.stack(xs), *[params["blocks"][i] for i in range(n_layers)])
+    return stacked
+
+
+def _loss_and_grads(model_def, params, tokens, key):
+    def loss(p):
+        return jnp.mean(model_def.forward(p, tokens, key) ** 2)
+
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+
+def test_scanned_layers_and_remat_compute_the_same_function_and_remat_the_same_bits():
+    """Four compiles: unrolled with/without remat, scanned with/without remat, same weights."""
+    scan_cfg = dataclasses.replace(CFG, n_layers=3, scan_layers=True)
+    unrolled_cfg = dataclasses.replace(scan_cfg, scan_layers=False)
+    unrolled_def, unrolled = _params(unrolled_cfg)
+    scan_def = make_model_def(scan_cfg)
+    assert scan_def.logical_axes["blocks"]["attn"]["wq"] == ("layers", "embed", "heads", "kv")
+    assert scan_def.logical_axes["blocks"]["mlp_norm"]["scale"] == ("layers", "embed")
+    scanned = _stack_layers(unrolled, 3)
+    abstract = jax.eval_shape(scan_def.init_params, jax.random.key(0))
+    assert jax.tree.map(lambda x: x.shape, abstract) == jax.tree.map(lambda x: x.shape, scanned)
+    assert abstract["blocks"]["mlp"]["w_up"].shape == (3, CFG.d_model, CFG.d_ff)
+    tokens = jnp.arange(24, dtype=jnp.int32).reshape(2, 12)
+    key = jax.random.key(3)  # dropout on: the per-layer keys must match too
+    loss_u, grads_u = _loss_and_grads(unrolled_def, unrolled, tokens, key)
+    loss_s, grads_s = _loss_and_grads(scan_def, scanned, tokens, key)
+    np.testing.assert_allclose(float(loss_s), float(loss_u), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(_stack_layers(grads_u, 3)), jax.tree.leaves(grads_s)):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-7)
+    for cfg, params, remat, (ref_loss, ref_grads), wrapped in (
+        (unrolled_cfg, unrolled, "block", (loss_u, grads_u), 3),  # one checkpoint per block call
+        (scan_cfg, scanned, "save_dots", (loss_s, grads_s), 1),  # one around the scanned body
+    ):
+        remat_def = make_model_def(dataclasses.replace(cfg, remat=remat))
+        jaxpr = str(jax.make_jaxpr(lambda p: remat_def.forward(p, tokens))(params))
+        assert jaxpr.count("remat2[") == wrapped, remat  # the framework really wrapped the blocks
+        loss, grads = _loss_and_grads(remat_def, params, tokens, key)
+        assert float(loss) == float(ref_loss), remat
+        for x, y in zip(jax.tree.leaves(ref_grads), jax.tree.leaves(grads)):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_dot_product_attention_matches_the_explicit_form_and_stays_causal():
+    cfg = dataclasses.replace(CFG, dropout=0.0)
+    explicit_def, params = _params(cfg)
+    fused_def = make_model_def(dataclasses.replace(cfg, attention="dot_product"))
+    rs = np.random.RandomState(0)
+    a = rs.randint(0, 256, (2, 12)).astype(np.int32)
+    np.testing.assert_allclose(np.asarray(fused_def.forward(params, a)), np.asarray(explicit_def.forward(params, a)),
+                               rtol=1e-5, atol=1e-5)
+    b = a.copy()
+    b[:, 8:] = (b[:, 8:] + 1) % 256
+    np.testing.assert_array_equal(np.asarray(fused_def.forward(params, a)[:, :8]),
+                                  np.asarray(fused_def.forward(params, b)[:, :8]))
+
+
+def test_dot_product_attention_with_dropout_is_refused_naming_both_keys():
+    with pytest.raises(ValueError, match="model.attention=dot_product.*model.dropout"):
+        make_model_def(dataclasses.replace(CFG, attention="dot_product"))
+
+
+@pytest.mark.parametrize("key,value", [("model.remat", "full"), ("model.attention", "flash"),
+                                       ("model.scan_layers", "maybe")])
+def test_an_unknown_block_stack_option_is_one_line_naming_the_key(key, value):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"{key}={value}"])
+    message = str(err.value)
+    assert "\n" not in message and key in message and repr(value) in message
+
+
+def test_importing_the_model_leaves_nnx_eager_sharding_as_the_user_set_it():
+    # A fresh interpreter: this one has imported the model already.
+    code = (
+        "from flax import nnx\n"
+        "nnx.use_eager_sharding(True)\n"
+        "import resilient_jax.model, resilient_jax.state\n"
+        "from resilient_jax.config import ModelConfig\n"
+        "resilient_jax.state.make_model_def(ModelConfig())\n"
+        "print(nnx.using_eager_sharding())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "True"
+
+
+@pytest.mark.slow
+def test_a_scanned_run_checkpoints_stacked_layers_the_reference_reader_reads(tmp_path, default_dataset):
+    """runbooks/checkpoint-format.md, "Stacked layers": blocks.<leaf> with a leading [n_layers] dim."""
+    from resilient_jax.checkpoint import reader
+    from resilient_jax.trainer import Trainer
+
+    from conftest import tiny_config
+
+    cfg = tiny_config(tmp_path / "run", "model.scan_layers=true", "model.remat=save_dots", "train.steps=2",
+                      "checkpoint.every_steps=2", "parallel.data=2")
+    summary = Trainer(cfg, devices=jax.devices()[:2]).run()
+    ckpt = reader.load(tmp_path / "run" / "checkpoints")  # verifies every checksum
+    m = cfg.model
+    assert ckpt.weights["blocks"]["attn"]["wq"].shape == (m.n_layers, m.d_model, m.n_heads, m.d_model // m.n_heads)
+    assert ckpt.weights["blocks"]["mlp_norm"]["scale"].shape == (m.n_layers, m.d_model)
+    assert "0" not in ckpt.weights["blocks"]
+    assert ckpt.config["config"]["model"]["scan_layers"] is True
+    assert ckpt.step == 2 and summary["final_step"] == 2
+
+
+def test_prepare_layer_gathers_one_fsdp_sharded_layer_at_a_time_inside_the_scan():
+    """The hook a ZeRO-3 step uses: blocks stay fsdp-sharded, each is all-gathered where it runs."""
+    from jax.sharding import Mesh, PartitionSpec
+
+    from resilient_jax import hlo_stats
+
+    cfg = dataclasses.replace(CFG, n_layers=3, dropout=0.0, scan_layers=True, remat="save_dots")
+    model_def, params = _params(cfg)
+    mesh = Mesh(np.array(jax.devices()[:4]), ("fsdp",))
+    is_axes = lambda x: isinstance(x, tuple)  # noqa: E731
+    # Shard every block parameter's "embed" dim over fsdp; the rest of the model stays replicated.
+    embed_dim = jax.tree.map(lambda axes: axes.index("embed"), model_def.logical_axes["blocks"], is_leaf=is_axes)
+    block_specs = jax.tree.map(lambda d: PartitionSpec(*([None] * d), "fsdp"), embed_dim)
+    specs = {k: (block_specs if k == "blocks" else jax.tree.map(lambda _: PartitionSpec(), v)) for k, v in params.items()}
+    layer_embed_dim = jax.tree.map(lambda axes: axes.index("embed"), model_def.layer_axes, is_leaf=is_axes)
+    tokens = jnp.arange(24, dtype=jnp.int32).reshape(2, 12)
+
+    def gather_layer(layer_params):
+        return jax.tree.map(lambda w, d: jax.lax.all_gather(w, "fsdp", axis=d, tiled=True), layer_params,
+                            layer_embed_dim)
+
+    def loss(p):
+        return jnp.mean(model_def.forward(p, tokens, prepare_layer=gather_layer) ** 2)
+
+    sharded = jax.jit(jax.shard_map(jax.value_and_grad(loss), mesh=mesh, in_specs=(specs,),
+                                    out_specs=(PartitionSpec(), specs), check_vma=False))
+    value, grads = sharded(params)
+    ref_value, ref_grads = _loss_and_grads(model_def, params, tokens, None)
+    np.testing.assert_allclose(float(value), float(ref_value), rtol=1e-5)
+    # The blocks' gradients come back fsdp-sharded: the gather's transpose is a reduce-scatter,
+    # which sums every device's gradient -- here all 4 ran the same rows, so 4x the unsharded one.
+    for a, b in zip(jax.tree.leaves(ref_grads["blocks"]), jax.tree.leaves(grads["blocks"])):
+        np.testing.assert_allclose(np.asarray(b), 4 * np.asarray(a), rtol=1e-4, atol=1e-7)
+    stats = hlo_stats.analyze(sharded.lower(params).compile().as_text(), num_devices=4)
+    leaves = len(jax.tree.leaves(params["blocks"]))
+    # Gathered per layer and per pass: at least one all-gather per block leaf per layer.
+    assert stats.collective_count.get("all-gather", 0) >= leaves * cfg.n_layers

@@ -51,3 +51,17 @@ def test_jit_cache_size_used_by_the_no_recompile_test():
 @pytest.mark.parametrize("name", ["all_to_all", "all_gather", "psum", "axis_index"])
 def test_public_collectives_used_by_the_reduction(name):
     assert callable(getattr(jax.lax, name))
+
+
+def test_orbax_manager_finalize_hook_used_by_the_commit_manifest():
+    """resilient_jax/checkpoint/store.py writes the commit files in an override of this method:
+    it must run after the rename (`_finalize` calls it after waiting for the checkpointers) and
+    before retention deletes old steps."""
+    import inspect
+
+    import orbax.checkpoint as ocp
+
+    source = inspect.getsource(ocp.CheckpointManager._finalize)
+    assert "_finalize_checkpoint(step)" in source and "delete_steps" in source
+    assert source.index("_wait_for_checkpointers") < source.index("_finalize_checkpoint(step)") < source.index(
+        "delete_steps")

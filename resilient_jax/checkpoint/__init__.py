@@ -1,12 +1,13 @@
 """Seven-field checkpoints: weights, optimizer state, RNG, data position, config, topology, provenance.
 
 Written together by one orbax save, committed atomically, loaded together, refused by field name
-when anything is missing or corrupt. The on-disk format is specified in
+when any file is missing or corrupt. The on-disk format is specified in
 runbooks/checkpoint-format.md. Modules, one concern each:
 
-- `reader`      the format from the reading side; stdlib + numpy + tensorstore only (no JAX)
+- `reader`      the format from the reading side; stdlib + numpy + tensorstore + crc32c only (no JAX)
+- `commit`      the commit manifest: crc32c of every file, per writing process, written after orbax's commit
 - `cli`         `python -m resilient_jax.checkpoint inspect|verify PATH` (on the reader; no JAX)
-- `checksums`   per-array sha256 of a live state tree, full host copies
+- `checksums`   the manifest's array entries (names, shapes, dtypes) from a live state tree
 - `context`     building the five context fields from the live run
 - `topology`    the topology field (hosts, regions, mesh, generation) and how two compare
 - `validate`    may a checkpoint continue this run? (dataset, config, rng, topology, commit rules)

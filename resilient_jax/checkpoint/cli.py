@@ -1,9 +1,14 @@
-"""`python -m resilient_jax.checkpoint inspect|verify PATH` -- built on the framework-free reader.
+"""`python -m resilient_jax.checkpoint inspect|verify|export PATH` -- built on the framework-free reader.
 
     inspect PATH [--brief] [--json]   the seven fields: step, topology, commit, and every array's
-                                      shape, dtype, bytes and sha256 (read from the manifest)
-    verify PATH                       re-read every array and context field and recompute their
-                                      sha256; exit 2 naming each corrupt field
+                                      shape, dtype and bytes (read from the manifest)
+    verify PATH [--deep]              the crc32c of every file a restore reads (against the commit
+                                      manifest), the context fields' sha256, and a structural
+                                      restore dry-run (shapes, dtypes; no array allocated); --deep
+                                      also decodes every array; exit 2 naming each corrupt file
+    export PATH --format safetensors --out DIR
+                                      the weights as DIR/model.safetensors + DIR/config.json (the
+                                      built-in LM in the Hugging Face Llama layout; see export.py)
 
 PATH is a step directory or a checkpoint root (its newest step). No JAX is imported, so both run
 in about a second on any machine with numpy and tensorstore. Exit codes: 0 ok, 2 a problem (one
@@ -21,7 +26,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from resilient_jax.checkpoint import reader
+from resilient_jax.checkpoint import commit, reader
+from resilient_jax.checkpoint.export import ExportError, cmd_export
 from resilient_jax.checkpoint.reader import ARRAY_FIELDS, CONTEXT_FIELDS, CheckpointError
 
 BROKEN_PIPE_EXIT = 141  # 128 + SIGPIPE: what a shell tool reports when its reader closed the pipe
@@ -31,9 +37,10 @@ def _short(sha: str | None, n: int = 12) -> str:
     return sha[:n] if sha else "-"
 
 
-def field_digest(entries: dict[str, dict[str, Any]]) -> str:
-    """One digest per array field: sha256 over its sorted "name sha256" lines."""
-    lines = "".join(f"{name} {e['sha256']}\n" for name, e in sorted(entries.items()))
+def field_digest(step_dir: Path, name: str) -> str:
+    """One digest per array field: sha256 over the sorted "path crc32c" lines of its committed files."""
+    files = commit.read(step_dir)
+    lines = "".join(f"{rel} {e['crc32c']}\n" for rel, e in sorted(files.items()) if reader.field_of(rel) == name)
     return hashlib.sha256(lines.encode()).hexdigest()
 
 
@@ -67,7 +74,7 @@ def describe_checkpoint(step_dir: Path) -> dict[str, Any]:
     for name in ARRAY_FIELDS:
         entries = manifest["arrays"][name]
         fields.append({"field": name, "kind": "arrays", "arrays": len(entries),
-                       "bytes": sum(e["bytes"] for e in entries.values()), "sha256": field_digest(entries),
+                       "bytes": sum(e["bytes"] for e in entries.values()), "sha256": field_digest(step_dir, name),
                        "summary": f"{sum(int(_prod(e['shape'])) for e in entries.values())} elements"})
     for name in CONTEXT_FIELDS:
         text = reader.context_file(step_dir, name).read_bytes()
@@ -102,27 +109,36 @@ def cmd_inspect(path: str, brief: bool, as_json: bool) -> int:
                      _short(f["sha256"]), f["summary"]])
     print(_table(rows))
     if not brief:
-        rows = [["field", "array", "shape", "dtype", "bytes", "sha256"]]
+        rows = [["field", "array", "shape", "dtype", "bytes"]]
         for name in ARRAY_FIELDS:
             for array, e in info["arrays"][name].items():
-                rows.append([name, array, "x".join(map(str, e["shape"])) or "scalar", e["dtype"], str(e["bytes"]),
-                             _short(e["sha256"])])
+                rows.append([name, array, "x".join(map(str, e["shape"])) or "scalar", e["dtype"], str(e["bytes"])])
         print()
         print(_table(rows))
     return 0
 
 
-def cmd_verify(path: str) -> int:
+def cmd_verify(path: str, deep: bool) -> int:
     step_dir = reader.resolve(path)
-    problems = reader.verify(step_dir)
+    problems = reader.verify(step_dir, deep=deep)
     if problems:
-        for problem in problems:
-            print(f"error: {problem}", file=sys.stderr)
+        hint = _older_step_hint(step_dir)
+        for i, problem in enumerate(problems):
+            print(f"error: {problem}{hint if i == len(problems) - 1 else ''}", file=sys.stderr)
         return 2
     manifest = reader.read_manifest(step_dir)
     arrays = sum(len(manifest["arrays"][name]) for name in ARRAY_FIELDS)
-    print(f"ok: checkpoint {step_dir} step {manifest['step']}: 7 fields, {arrays} arrays, all sha256 match")
+    files = len(commit.read(step_dir))
+    print(f"ok: checkpoint {step_dir} step {manifest['step']}: 7 fields, {arrays} arrays, {files} files, all crc32c "
+          f"match, restore dry-run ok{', every array decoded' if deep else ''}")
     return 0
+
+
+def _older_step_hint(step_dir: Path) -> str:
+    older = reader.newest_complete(step_dir.parent, below=int(step_dir.name)) if step_dir.name.isdigit() else None
+    if older is None:
+        return "; no older committed step to resume from"
+    return f"; resume from the older step {older} (--resume {step_dir.parent / str(older)}) after verifying it"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,11 +148,21 @@ def main(argv: list[str] | None = None) -> int:
     p_inspect.add_argument("path")
     p_inspect.add_argument("--brief", action="store_true", help="fields only, no per-array table")
     p_inspect.add_argument("--json", action="store_true", help="machine-readable output")
-    p_verify = sub.add_parser("verify", help="recompute every checksum; exit 2 on corruption")
+    p_verify = sub.add_parser("verify", help="check every file and a restore dry-run; exit 2 on corruption")
     p_verify.add_argument("path")
+    p_verify.add_argument("--deep", action="store_true", help="also read and decode every array")
+    p_export = sub.add_parser("export", help="write the weights as safetensors + config.json")
+    p_export.add_argument("path")
+    p_export.add_argument("--format", default="safetensors", help="safetensors (the only one so far)")
+    p_export.add_argument("--out", required=True, help="a new or empty directory")
     args = parser.parse_args(argv)
     try:
-        code = cmd_inspect(args.path, args.brief, args.json) if args.command == "inspect" else cmd_verify(args.path)
+        if args.command == "inspect":
+            code = cmd_inspect(args.path, args.brief, args.json)
+        elif args.command == "export":
+            code = cmd_export(args.path, args.format, args.out)
+        else:
+            code = cmd_verify(args.path, args.deep)
         sys.stdout.flush()  # here, not at exit, so that a closed pipe is caught below
         return code
     except BrokenPipeError:
@@ -144,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         # at /dev/null so the interpreter's final flush does not complain either.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return BROKEN_PIPE_EXIT
-    except CheckpointError as e:
+    except (CheckpointError, ExportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:

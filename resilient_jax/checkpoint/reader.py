@@ -1,11 +1,14 @@
-"""Reference reader of resilient_jax checkpoints: imports only the standard library, numpy and tensorstore.
+"""Reference reader of resilient_jax checkpoints: the standard library, numpy, tensorstore and
+google-crc32c only (with `commit.py`, which it imports).
 
-It defines the on-disk format (version 1, specified in runbooks/checkpoint-format.md) from the
-reading side: where each of the seven fields lives, how arrays are named and checksummed, and what
-makes a step directory complete. No jax, flax, optax or orbax here, so this file can be copied into
-another framework to read a checkpoint; the writer (`store.py`) imports its constants from here.
+It defines the on-disk format (version 2, specified in runbooks/checkpoint-format.md) from the
+reading side: where each of the seven fields lives, how arrays are named, which files the commit
+manifest covers, and what makes a step directory committed. No jax, flax, optax or orbax here, so
+these two files can be copied into another framework to read a checkpoint; the writer (`store.py`)
+imports its constants from here.
 
-    ckpt = load("runs/x/checkpoints/40")          # verifies checksums by default
+    problems = verify("runs/x/checkpoints/40")    # every file's crc32c + a structural dry-run
+    ckpt = load("runs/x/checkpoints/40")          # verifies the files first by default
     ckpt.weights["blocks"]["0"]["attn"]["wq"]      # numpy array
     ckpt.data["step"], ckpt.topology["mesh"], ckpt.provenance["commit"]
 """
@@ -21,11 +24,14 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-FORMAT_VERSION = 1
+from resilient_jax.checkpoint import commit
+from resilient_jax.checkpoint.commit import COMMIT_DIR, CommitError
+
+FORMAT_VERSION = 2
 ARRAY_FIELDS = ("weights", "optimizer")
 CONTEXT_FIELDS = ("rng", "data", "config", "topology", "provenance")
 FIELDS = ARRAY_FIELDS + CONTEXT_FIELDS
-# The index written in the same commit: format version, per-array sha256, per-context sha256.
+# The index written in orbax's commit: format version, array shapes and dtypes, per-context sha256.
 MANIFEST = "manifest"
 # Orbax writes a step into `<step>.orbax-checkpoint-tmp...` and renames it when complete.
 TMP_MARKER = ".orbax-checkpoint-tmp"
@@ -37,7 +43,7 @@ REQUIRED_KEYS: dict[str, tuple[str, ...]] = {
     "config": ("hash", "config", "history"),
     "topology": ("generation", "process_count", "devices_per_host", "hosts", "mesh", "history"),
     "provenance": ("commit", "dirty", "version", "history"),
-    MANIFEST: ("format_version", "step", "fields", "arrays", "context_sha256"),
+    MANIFEST: ("format_version", "step", "fields", "process_count", "arrays", "context_sha256"),
 }
 
 
@@ -68,12 +74,14 @@ def json_sha256(obj: Any) -> str:
     return hashlib.sha256(canonical_json(obj)).hexdigest()
 
 
-def array_sha256(array: np.ndarray) -> str:
-    """sha256 of the array's C-order, little-endian bytes (the params-fingerprint byte layout)."""
-    a = np.asarray(array)
-    if a.dtype.byteorder == ">":
-        a = a.astype(a.dtype.newbyteorder("<"))
-    return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
+def field_of(relpath: str) -> str:
+    """The field a file of a step directory belongs to ("step" for orbax's top-level files)."""
+    head = relpath.split("/", 1)[0]
+    return head if head in (*FIELDS, MANIFEST, COMMIT_DIR) else "step"
+
+
+def commit_problem(step_dir: Path, error: CommitError) -> CheckpointError:
+    return CheckpointError(step_dir, field_of(error.relpath), str(error))
 
 
 # -- finding step directories ----------------------------------------------------------------------
@@ -84,11 +92,31 @@ def is_step_dir(path: Path) -> bool:
 
 
 def list_steps(root: str | Path) -> list[int]:
-    """Committed step directories under a checkpoint root (temporary ones excluded), ascending."""
+    """Committed step directories under a checkpoint root, ascending: orbax renamed them into place
+    AND every process wrote its commit file (temporary and uncommitted ones excluded)."""
     root = Path(root)
     if not root.is_dir():
         return []
-    return sorted(int(p.name) for p in root.iterdir() if is_step_dir(p))
+    return sorted(int(p.name) for p in root.iterdir() if is_step_dir(p) and commit.is_committed(p))
+
+
+def uncommitted_dirs(root: str | Path) -> list[Path]:
+    """Step directories orbax renamed into place whose commit manifest was never completed (the
+    writer was killed between the two). Checkpoints of format 1 (no commit manifest) are not
+    listed here: they are not ours to remove."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    out = []
+    for p in sorted(root.iterdir()):
+        if is_step_dir(p) and not commit.is_committed(p):
+            try:
+                legacy = json.loads(context_file(p, MANIFEST).read_text()).get("format_version") == 1
+            except (OSError, ValueError, AttributeError):
+                legacy = False
+            if not legacy:
+                out.append(p)
+    return out
 
 
 def temporary_dirs(root: str | Path) -> list[Path]:
@@ -105,6 +133,8 @@ def missing_field(step_dir: Path) -> tuple[str, str] | None:
     Cheap (no array is read): the check made before offering a checkpoint for resume.
     """
     step_dir = Path(step_dir)
+    if not commit.commit_file(step_dir, 0).is_file():
+        return COMMIT_DIR, f"{COMMIT_DIR}/process_0.json is missing (the save never committed)"
     for name in ARRAY_FIELDS:
         for part in ("_METADATA", "manifest.ocdbt"):
             if not (step_dir / name / part).is_file():
@@ -205,7 +235,8 @@ def _open_array(item_dir: Path, name: str) -> ts.TensorStore:
 
 
 def read_array(step_dir: str | Path, field_name: str, name: str, entry: dict[str, Any] | None = None) -> np.ndarray:
-    """One array of an array field by its dotted name; checked against its manifest entry if given."""
+    """One array of an array field by its dotted name (every chunk decoded); shape and dtype checked
+    against its manifest entry if given. The bytes were checked by `verify_files`."""
     step_dir = Path(step_dir)
     try:
         array = np.asarray(_open_array(step_dir / field_name, name).read().result())
@@ -217,9 +248,50 @@ def read_array(step_dir: str | Path, field_name: str, name: str, entry: dict[str
         if list(array.shape) != list(entry["shape"]) or str(array.dtype) != entry["dtype"]:
             raise CheckpointError(step_dir, field_name, f"array {name} is {array.dtype}{list(array.shape)}, "
                                                         f"manifest says {entry['dtype']}{entry['shape']}")
-        if array_sha256(array) != entry["sha256"]:
-            raise CheckpointError(step_dir, field_name, f"array {name} does not match its sha256 (corrupt)")
     return array
+
+
+def check_array_structure(step_dir: Path, field_name: str, manifest: dict[str, Any]) -> list[CheckpointError]:
+    """A restore's dry run for one array field, allocating no array: orbax's `_METADATA` names
+    exactly the manifest's arrays, and each array's zarr metadata (read through OCDBT) has the
+    manifest's shape and dtype."""
+    step_dir = Path(step_dir)
+    entries = manifest["arrays"][field_name]
+    meta_path = step_dir / field_name / "_METADATA"
+    try:
+        tree = json.loads(meta_path.read_bytes())["tree_metadata"]
+        # Empty subtrees (optax's EmptyState) are recorded as skipped values; they hold no array.
+        names = {".".join(str(k["key"]) for k in value["key_metadata"]) for value in tree.values()
+                 if not value["value_metadata"].get("skip_deserialize")}
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+        return [CheckpointError(step_dir, field_name, f"{field_name}/_METADATA is not orbax tree metadata ({e!r})")]
+    if names != set(entries):
+        extra, lacking = sorted(names - set(entries)), sorted(set(entries) - names)
+        return [CheckpointError(step_dir, field_name, f"{field_name}/_METADATA disagrees with the manifest "
+                                                      f"(only in _METADATA: {extra[:3]}, only in the manifest: {lacking[:3]})")]
+    problems = []
+    for name, entry in entries.items():
+        try:
+            store = _open_array(step_dir / field_name, name)
+        except Exception as e:  # tensorstore raises ValueError/OSError variants; all mean "unreadable"
+            problems.append(CheckpointError(step_dir, field_name, f"array {name} metadata is unreadable "
+                                                                  f"({str(e).splitlines()[0][:300]})"))
+            continue
+        shape, dtype = list(store.shape), str(np.dtype(store.dtype.numpy_dtype))
+        if shape != list(entry["shape"]) or dtype != entry["dtype"]:
+            problems.append(CheckpointError(step_dir, field_name, f"array {name} is {dtype}{shape}, manifest "
+                                                                  f"says {entry['dtype']}{entry['shape']}"))
+    return problems
+
+
+def verify_files(step_dir: str | Path, select=lambda rel: True) -> list[CheckpointError]:
+    """crc32c of every file the commit manifest lists (that `select` keeps); [] = all as written."""
+    step_dir = Path(step_dir)
+    try:
+        files = commit.read(step_dir)
+    except CommitError as e:
+        return [commit_problem(step_dir, e)]
+    return [commit_problem(step_dir, e) for e in commit.check_files(step_dir, files, select)]
 
 
 def read_arrays(step_dir: str | Path, field_name: str, manifest: dict[str, Any] | None = None, *,
@@ -264,21 +336,37 @@ class Checkpoint:
 
 
 def load(path: str | Path, *, verify: bool = True) -> Checkpoint:
-    """All seven fields of a step directory (or of a checkpoint root's newest step)."""
+    """All seven fields of a step directory (or of a checkpoint root's newest step); `verify`
+    checks every file's crc32c first."""
     step_dir = resolve(path)
     missing = missing_field(step_dir)
     if missing:
         raise CheckpointError(step_dir, *missing)
+    if verify:
+        problems = verify_files(step_dir)
+        if problems:
+            raise problems[0]
     manifest = read_manifest(step_dir)
     context = read_context(step_dir, manifest)
     arrays = {name: read_arrays(step_dir, name, manifest, verify=verify) for name in ARRAY_FIELDS}
     return Checkpoint(path=step_dir, step=manifest["step"], manifest=manifest, **arrays, **context)
 
 
-def verify(path: str | Path) -> list[CheckpointError]:
-    """Every problem found in a step directory (empty = intact); reads and re-hashes every array."""
+def verify(path: str | Path, *, deep: bool = False) -> list[CheckpointError]:
+    """Every problem found in a step directory (empty = it restores, and restores these bytes).
+
+    The crc32c of every file the commit manifest lists (and no unlisted file), the manifest and
+    context fields, then a structural dry-run of each array field. `deep` also reads every array
+    (every chunk decompressed and decoded to the manifest's shape and dtype).
+    """
     try:
         step_dir = resolve(path)
+    except CheckpointError as e:
+        return [e]
+    problems = verify_files(step_dir)
+    if problems:
+        return problems  # the files are not the ones written: the checks below would only echo that
+    try:
         missing = missing_field(step_dir)
         if missing:
             return [CheckpointError(step_dir, *missing)]
@@ -286,12 +374,14 @@ def verify(path: str | Path) -> list[CheckpointError]:
         read_context(step_dir, manifest)
     except CheckpointError as e:
         return [e]
-    problems = []
     for name in ARRAY_FIELDS:
-        for array_name, entry in manifest["arrays"][name].items():
-            try:
-                read_array(step_dir, name, array_name, entry)
-            except CheckpointError as e:
-                problems.append(e)
+        problems.extend(check_array_structure(step_dir, name, manifest))
+    if deep and not problems:
+        for name in ARRAY_FIELDS:
+            for array_name, entry in manifest["arrays"][name].items():
+                try:
+                    read_array(step_dir, name, array_name, entry)
+                except CheckpointError as e:
+                    problems.append(e)
     return problems
 

@@ -73,14 +73,17 @@ class SessionStats:
 class CheckpointSession:
     def __init__(self, cfg: Config, mesh, dataset_version: str, *, resume: str | None = None,
                  allow_config_change: Sequence[str] = (), clock: Callable[[], float] = time.monotonic,
-                 generation: int = 0, regions: dict[int, str] | None = None, interruptible: bool = False):
+                 generation: int = 0, regions: dict[int, str] | None = None, interruptible: bool = False,
+                 tokenizer_sha256: str = ""):
         """`interruptible`: Ctrl-C (SIGINT) stops at the next step boundary with a checkpoint, as
-        SIGTERM does (see PreemptionWatch); for a single-process run in the foreground."""
+        SIGTERM does (see PreemptionWatch); for a single-process run in the foreground.
+        `tokenizer_sha256`: the dataset's; a resume with another tokenizer is refused."""
         import jax
 
         self.cfg = cfg
         self.mesh = mesh
         self.dataset_version = dataset_version
+        self.tokenizer_sha256 = tokenizer_sha256
         self.resume = resume
         self.allow_config_change = list(allow_config_change)
         self.generation = generation
@@ -144,7 +147,7 @@ class CheckpointSession:
         position = DataPosition.from_dict(saved["data"])
         current = {
             "rng": rng_field(self.cfg.train.seed, position.step),
-            "data": {"dataset_version": self.dataset_version},
+            "data": {"dataset_version": self.dataset_version, "tokenizer_sha256": self.tokenizer_sha256},
             "config": config_field(self.cfg),
             "topology": build_topology(self.mesh, generation=self.generation, regions=self.regions if self.regions is not None else regions_of(self.cfg)),
             "provenance": provenance_field(),

@@ -1,29 +1,33 @@
 """CheckpointStore: one checkpoint root written through one orbax CheckpointManager.
 
-A save is ONE orbax Composite save of eight items -- the seven fields plus the manifest -- so orbax
-commits them together: it writes `<step>.orbax-checkpoint-tmp.../` and renames it to `<step>/`
-only when every item is written. A process killed mid-save leaves only the temporary directory,
-which no reader lists and the next store removes on open.
+A save commits in two stages, and only the second makes it a checkpoint:
+
+1. ONE orbax Composite save of eight items -- the seven fields plus the manifest. Orbax writes
+   `<step>.orbax-checkpoint-tmp.../` and renames it to `<step>/` once every item is written on
+   every process.
+2. Then, in orbax's finalize (its background thread for async saves; before old steps are deleted
+   by retention), each process hashes the files it wrote with crc32c and writes
+   `<step>/commit/process_<i>.json` atomically (`commit.py`). Readers list a step only when every
+   process's commit file is there.
+
+A process killed in stage 1 leaves a temporary directory, in stage 2 a step directory without its
+commit files; no reader lists either and the next store removes both on open.
 
     weights, optimizer       StandardSave (OCDBT + zarr, each process writes its own shards)
     rng, data, config,       JsonSave (process 0 writes)
     topology, provenance
-    manifest                 format version, per-array sha256, per-context sha256 (process 0)
+    manifest                 format version, array shapes/dtypes, per-context sha256 (process 0)
 
-Asynchronous saves: `save` returns once the arrays are copied off the devices (the caller may then
-donate the state); orbax writes in the background and the manifest's hashes are computed on a
-worker thread from process 0's own host copy, finishing inside the same commit. A failed
-background write (e.g. a full disk) surfaces as CheckpointSaveError at the next `save`, `wait` or
-`close`, and its temporary directory is removed; committed steps are never touched.
+Asynchronous saves: `save` returns once orbax has copied the arrays off the devices (the caller
+may then donate the state); nothing else copies the state. A failed background write or commit
+(e.g. a full disk) surfaces as CheckpointSaveError at the next `save`, `wait` or `close`, and its
+temporary or uncommitted directory is removed; committed steps are never touched.
 
 `save` must be called on every process with the same step (orbax synchronises them).
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
-import dataclasses
 import gc
 import logging
 import os
@@ -37,7 +41,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from resilient_jax.checkpoint import checksums, orbax_errors, reader
+from resilient_jax.checkpoint import checksums, commit, orbax_errors, reader
 from resilient_jax.checkpoint.reader import (
     ARRAY_FIELDS, CONTEXT_FIELDS, FIELDS, FORMAT_VERSION, MANIFEST, CheckpointError, json_sha256,
 )
@@ -47,27 +51,19 @@ class CheckpointSaveError(RuntimeError):
     """A save that could not be completed; committed checkpoints are intact."""
 
 
-# -- the manifest item: a JSON file whose content is finished on a worker thread --------------------
-
-
-class ManifestHandler(ocp.JsonCheckpointHandler):
-    """Writes `manifest/manifest.json` (process 0) once the pending hashes are computed."""
-
-    def __init__(self):
-        super().__init__(filename=f"{MANIFEST}.json")
-
-    async def _save_fn(self, x, directory):
-        manifest = await asyncio.wrap_future(x) if isinstance(x, concurrent.futures.Future) else x
-        await super()._save_fn(manifest, directory)
-
-
-@ocp.args.register_with_handler(ManifestHandler, for_save=True, for_restore=True)
-@dataclasses.dataclass
-class ManifestSave(ocp.args.CheckpointArgs):
-    item: concurrent.futures.Future | dict
-
-
 orbax_errors.install_log_filters()
+
+
+class _CommittingManager(ocp.CheckpointManager):
+    """Orbax's manager plus stage 2 (see the module docstring): after orbax renamed the step into
+    place (its finalize runs once the rename is visible to every process) and before retention
+    deletes old steps, this process hashes its files and writes its commit file."""
+
+    def _finalize_checkpoint(self, step: int):
+        super()._finalize_checkpoint(step)
+        self.check_for_errors()  # a failed item must not be committed (orbax only logs it here)
+        step_dir = Path(self.directory) / str(step)
+        commit.write(step_dir, step, jax.process_index(), jax.process_count())
 
 
 class _Retention:
@@ -126,9 +122,9 @@ def check_writable(root: Path) -> None:
 
 
 def remove_temporary(root: Path) -> list[Path]:
-    """Deletes leftovers of saves that never committed; returns what was removed."""
+    """Deletes leftovers of saves that never committed (either stage); returns what was removed."""
     removed = []
-    for path in reader.temporary_dirs(root):
+    for path in [*reader.temporary_dirs(root), *reader.uncommitted_dirs(root)]:
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
     return removed
@@ -148,16 +144,15 @@ class CheckpointStore:
         configure_array_writes()
         orbax_errors.quiet_abandoned_async_errors()
         handlers: dict[str, Any] = {name: ocp.StandardCheckpointHandler() for name in ARRAY_FIELDS}
-        handlers.update({name: ocp.JsonCheckpointHandler(filename=f"{name}.json") for name in CONTEXT_FIELDS})
-        handlers[MANIFEST] = ManifestHandler()
+        handlers.update({name: ocp.JsonCheckpointHandler(filename=f"{name}.json")
+                         for name in (*CONTEXT_FIELDS, MANIFEST)})
         options = ocp.CheckpointManagerOptions(
             enable_async_checkpointing=async_save,
             create=True,
             preservation_policy=_Retention(keep) if keep is not None else None,
             save_root_metadata=False,
         )
-        self._manager = ocp.CheckpointManager(self.root, options=options, item_handlers=handlers)
-        self._hasher = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-hash")
+        self._manager = _CommittingManager(self.root, options=options, item_handlers=handlers)
         self._pending_step: int | None = None
 
     # -- listing ------------------------------------------------------------------------------------
@@ -180,18 +175,11 @@ class CheckpointStore:
         if missing:
             raise ValueError(f"context lacks field(s) {', '.join(missing)}")
         self._raise_failed_save()
-        # Host copies first (and on the primary only, where the manifest is written), so the state
-        # may be donated as soon as this returns; hashing them happens on the worker thread.
-        copies = None
-        if jax.process_index() == 0 or not _all_held_locally(state):
-            copies = {"weights": checksums.host_copies(state.params),
-                      "optimizer": checksums.host_copies(state.opt_state)}
-        pending: concurrent.futures.Future = self._hasher.submit(_manifest, step, copies, context)
         args = ocp.args.Composite(
             weights=ocp.args.StandardSave(state.params),
             optimizer=ocp.args.StandardSave(state.opt_state),
             **{name: ocp.args.JsonSave(context[name]) for name in CONTEXT_FIELDS},
-            **{MANIFEST: ManifestSave(pending)},
+            **{MANIFEST: ocp.args.JsonSave(_manifest(step, state, context))},
         )
         self._pending_step = step
         try:
@@ -220,6 +208,7 @@ class CheckpointStore:
         orbax_errors.join_background_writes()
         if jax.process_index() == 0:
             remove_temporary(self.root)
+        self._manager.reload()  # orbax listed the step it renamed; it is gone again
         committed = self.steps()
         intact = (f"the newest committed checkpoint, step {committed[-1]}, is intact" if committed
                   else "no checkpoint was committed before")
@@ -239,7 +228,6 @@ class CheckpointStore:
             self.wait()
         finally:
             self._manager.close()
-            self._hasher.shutdown(wait=True)
 
     # -- restoring ------------------------------------------------------------------------------------
 
@@ -247,10 +235,14 @@ class CheckpointStore:
     def restore_arrays(step_dir: str | Path, abstract_state, *, verify: bool = True):
         """The state saved in `step_dir`, laid out as `abstract_state` says (its shardings: reshards).
 
-        Each array field is restored on its own so that a failure names it; `verify` re-hashes the
-        restored arrays against the manifest.
+        `verify` first checks the crc32c of every file orbax reads for the two array fields (and
+        the manifest); each array field is then restored on its own so that a failure names it.
         """
         step_dir = Path(step_dir)
+        if verify:
+            problems = reader.verify_files(step_dir, select=_read_by_restore)
+            if problems:
+                raise problems[0]
         manifest = reader.read_manifest(step_dir)
         orbax_errors.quiet_abandoned_async_errors()
         restored = {}
@@ -261,11 +253,6 @@ class CheckpointStore:
             except Exception as e:  # orbax/tensorstore raise many types; all mean "unusable"
                 gc.collect()  # finalize the sibling reads orbax abandoned now, while they are filtered
                 raise _diagnose(step_dir, name, manifest, e) from None
-            if verify:
-                bad = checksums.mismatches(restored[name], manifest["arrays"][name])
-                if bad:
-                    raise CheckpointError(step_dir, name, f"array {bad[0]} does not match its sha256 in the "
-                                                          f"manifest ({len(bad)} array(s) differ)")
         return type(abstract_state)(params=restored["weights"], opt_state=restored["optimizer"])
 
 
@@ -279,16 +266,19 @@ def _diagnose(step_dir: Path, name: str, manifest: dict[str, Any], error: Except
     return CheckpointError(step_dir, name, f"could not be restored ({orbax_errors.first_line(error)})")
 
 
-def _manifest(step: int, copies: dict[str, list] | None, context: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    arrays = {name: checksums.manifest_entries(copies[name]) for name in ARRAY_FIELDS} if copies else {}
+def _read_by_restore(relpath: str) -> bool:
+    """The files a restore of the array fields reads: theirs and the manifest (the context fields
+    are read, and checked, by `reader.read_context`)."""
+    return reader.field_of(relpath) in (*ARRAY_FIELDS, MANIFEST)
+
+
+def _manifest(step: int, state, context: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return {
         "format_version": FORMAT_VERSION,
         "step": int(step),
         "fields": list(FIELDS),
-        "arrays": arrays,
+        "process_count": jax.process_count(),
+        "arrays": {"weights": checksums.manifest_entries(state.params),
+                   "optimizer": checksums.manifest_entries(state.opt_state)},
         "context_sha256": {name: json_sha256(context[name]) for name in CONTEXT_FIELDS},
     }
-
-
-def _all_held_locally(state) -> bool:
-    return all(checksums.held_by_every_process(leaf) for leaf in jax.tree.leaves(state) if isinstance(leaf, jax.Array))

@@ -82,6 +82,10 @@ def check_resume(path: str | Path, saved: dict[str, dict[str, Any]], current: di
     step = int(saved["data"]["step"])
     decision = ResumeDecision(step=step, history=History.of(saved))
 
+    saved_tok, tok = saved["data"].get("tokenizer_sha256", ""), current["data"].get("tokenizer_sha256", "")
+    if saved_tok and tok and saved_tok != tok:  # before the version check: it names what changed
+        raise CheckpointError(path, "data", f"tokenizer sha256 {saved_tok} differs from the configured dataset's "
+                                            f"tokenizer sha256 {tok}; resume with the tokenizer the run started on")
     saved_version, version = saved["data"]["dataset_version"], current["data"]["dataset_version"]
     if saved_version != version:
         raise CheckpointError(path, "data", f"dataset version {_short(saved_version)} differs from the configured "

@@ -1,9 +1,9 @@
 """The data pipeline: versioned datasets, a host-count-independent global order, grain loading.
 
 Modules, one concern each:
-- `sources`   which text files, in which order (deterministic walk, byte cap)
-- `tokenizer` tokenizers by name (byte-level by default)
-- `records`   the fixed byte layout of one record
+- `sources`   which documents, in which order: text dirs, jsonl, parquet, HF dirs (streamed)
+- `tokenizer` tokenizers by spec: bytes (default), hf:tokenizer.json, sp:model, registered names
+- `records`   the fixed byte layout of one record (compact tokens, optional weights)
 - `manifest`  manifest.json, the dataset version, file checks
 - `prepare`   building datasets (prepare / ensure / verify)
 - `order`     the global sample order of every step, quarantine, host slices

@@ -14,7 +14,7 @@ from resilient_jax.data.errors import DatasetError
 from resilient_jax.data.manifest import load_manifest
 from resilient_jax.data.order import GlobalOrder, QuarantineEvent, global_batch_ids, host_rows
 from resilient_jax.data.prepare import DEFAULT_SEQ_LEN, DEFAULT_SHARDS, prepare_dataset, verify_dataset
-from resilient_jax.data.sources import DEFAULT_SOURCE
+from resilient_jax.data.sources import DEFAULT_SOURCE, FORMATS
 from resilient_jax.data.tokenizer import known_tokenizers
 
 
@@ -30,9 +30,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _prepare(args: argparse.Namespace) -> None:
     m = prepare_dataset(args.src, args.out, shards=args.shards, seq_len=args.seq_len,
-                        tokenizer=args.tokenizer, max_bytes=args.max_bytes)
+                        tokenizer=args.tokenizer, max_bytes=args.max_bytes, fmt=args.format,
+                        text_field=args.text_field)
     print(json.dumps({"root": str(m.root), "version": m.version, "records": m.num_records,
-                      "shards": len(m.shards), "seq_len": m.seq_len, "tokenizer": m.tokenizer}))
+                      "shards": len(m.shards), "seq_len": m.seq_len, "tokenizer": m.tokenizer,
+                      "tokenizer_sha256": m.tokenizer_sha256, "token_dtype": m.token_dtype}))
 
 
 def _verify(args: argparse.Namespace) -> None:
@@ -76,12 +78,18 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m resilient_jax.data", description=__doc__)
     sub = parser.add_subparsers(required=True, metavar="{prepare,verify,batch}")
 
-    p = sub.add_parser("prepare", help="tokenize text files into ArrayRecord shards + manifest.json")
-    p.add_argument("--src", required=True, help=f"directory of text files, or {DEFAULT_SOURCE!r} (Python stdlib)")
+    p = sub.add_parser("prepare", help="tokenize text, jsonl, parquet or HF datasets into ArrayRecord shards")
+    p.add_argument("--src", required=True,
+                   help=f"a directory of text files; a .jsonl or .parquet file or a directory of them; a Hugging "
+                        f"Face save_to_disk directory; or {DEFAULT_SOURCE!r} (Python stdlib)")
+    p.add_argument("--format", default="auto",
+                   help=f"one of: {', '.join(FORMATS)} (default auto: from the extension / directory contents)")
+    p.add_argument("--text-field", default="text", help="jsonl key / parquet or HF column holding the text")
     p.add_argument("--out", required=True, help="new dataset directory")
     p.add_argument("--shards", type=int, default=DEFAULT_SHARDS)
     p.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN)
-    p.add_argument("--tokenizer", default="bytes", help=f"one of: {', '.join(known_tokenizers())}")
+    p.add_argument("--tokenizer", default="bytes",
+                   help=f"one of: {', '.join(known_tokenizers())} (hf: a tokenizer.json, sp: a sentencepiece .model)")
     p.add_argument("--max-bytes", type=int, default=None,
                    help="cap on source bytes (default: all; 8 MiB for 'default')")
     p.set_defaults(run=_prepare)

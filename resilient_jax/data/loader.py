@@ -91,7 +91,7 @@ class HostBatchLoader:
         if not isinstance(position, DataPosition):
             position = DataPosition.from_dict(position)
         order = GlobalOrder.for_manifest(manifest, seed, global_batch, position.quarantine)
-        position.check_against(order, manifest.version)
+        position.check_against(order, manifest.version, manifest.tokenizer_sha256)
         return cls(manifest, seed=seed, global_batch=global_batch, rows=rows, start_step=position.step,
                    quarantine=position.quarantine, prefetch=prefetch, poison=poison)
 
@@ -132,7 +132,8 @@ class HostBatchLoader:
 
     def position(self) -> DataPosition:
         with self._lock:
-            return DataPosition.at(self._order, self.manifest.version, self._next_step)
+            return DataPosition.at(self._order, self.manifest.version, self._next_step,
+                                   self.manifest.tokenizer_sha256)
 
     @property
     def order(self) -> GlobalOrder:

@@ -9,6 +9,7 @@ holds none, that is an error naming it (most likely a typo or a dataset not prep
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from resilient_jax.config import DataConfig
@@ -27,7 +28,9 @@ def dataset_dir(cfg: DataConfig) -> Path:
         return Path(cfg.dataset)
     if cfg.src != DEFAULT_SOURCE:
         raise DatasetError("data.dataset is required when data.src is not 'default' (the directory to build it in)")
-    return cache_dir() / "datasets" / f"{cfg.src}-{cfg.tokenizer}-s{cfg.shards}-L{cfg.seq_len}"
+    # "hf:/a/tok.json" -> "hf__a_tok.json": one directory name (the tokenizer's sha256 is checked anyway).
+    tokenizer = re.sub(r"[^A-Za-z0-9._-]", "_", cfg.tokenizer)
+    return cache_dir() / "datasets" / f"{cfg.src}-{tokenizer}-s{cfg.shards}-L{cfg.seq_len}"
 
 
 def check_buildable(cfg: DataConfig) -> Path:
@@ -37,7 +40,14 @@ def check_buildable(cfg: DataConfig) -> Path:
         what = "does not exist" if not path.exists() else f"holds no dataset ({MANIFEST_NAME})"
         raise DatasetError(
             f"data.dataset {path} {what}; build it with `python -m resilient_jax.data prepare --src {cfg.src} "
-            f"--out {path} --shards {cfg.shards} --seq-len {cfg.seq_len}`, "
+            f"--out {path} --shards {cfg.shards} --seq-len {cfg.seq_len}{_build_flags(cfg)}`, "
             "or set data.build_if_missing: true to build it there on first run"
         )
     return path
+
+
+def _build_flags(cfg: DataConfig) -> str:
+    """The prepare flags for the config's non-default source format, text field and tokenizer."""
+    flags = [("--format", cfg.format, "auto"), ("--text-field", cfg.text_field, "text"),
+             ("--tokenizer", cfg.tokenizer, "bytes")]
+    return "".join(f" {flag} {value}" for flag, value, default in flags if value != default)

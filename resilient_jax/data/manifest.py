@@ -1,6 +1,7 @@
 """The dataset manifest: what a prepared dataset contains, and its version.
 
-`manifest.json` lists the format, tokenizer, record layout and, per shard, its file name, record
+`manifest.json` lists the format, tokenizer (kind + sha256), record layout (seq_len, token_dtype,
+has_weights; see `records`) and, per shard, its file name, record
 count, byte size and sha256. The **dataset version** is the sha256 of the canonical manifest JSON
 (sorted keys, no whitespace, the `version` field excluded), so it changes exactly when a shard's
 bytes or the way they are to be read changes, and it is the same on every machine.
@@ -29,7 +30,9 @@ from resilient_jax.data.errors import DatasetError
 from resilient_jax.data.records import RecordLayout
 
 MANIFEST_NAME = "manifest.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# Format 1 (no tokenizer_sha256, weights always stored) is still read; new datasets are format 2.
+_READABLE_FORMATS = (1, 2)
 _PREPARE_HINT = "re-run `python -m resilient_jax.data prepare` into a fresh directory"
 
 
@@ -52,6 +55,8 @@ class Manifest:
     token_dtype: str
     writer_options: str
     shards: tuple[ShardInfo, ...]
+    tokenizer_sha256: str = ""  # "" in format 1
+    has_weights: bool = True  # format 1 always stored weights
 
     @property
     def num_records(self) -> int:
@@ -64,7 +69,7 @@ class Manifest:
 
     @property
     def layout(self) -> RecordLayout:
-        return RecordLayout(self.seq_len, self.token_dtype)
+        return RecordLayout(self.seq_len, self.token_dtype, self.has_weights)
 
     def shard_path(self, shard: int) -> Path:
         return self.root / self.shards[shard].file
@@ -78,7 +83,7 @@ class Manifest:
 
     def content(self) -> dict[str, Any]:
         """The hashed fields: everything in manifest.json except `version`."""
-        return {
+        content = {
             "format_version": self.format_version,
             "tokenizer": self.tokenizer,
             "vocab_size": self.vocab_size,
@@ -87,6 +92,9 @@ class Manifest:
             "writer_options": self.writer_options,
             "shards": [asdict(s) for s in self.shards],
         }
+        if self.format_version >= 2:
+            content.update(tokenizer_sha256=self.tokenizer_sha256, has_weights=self.has_weights)
+        return content
 
 
 def canonical_json(content: dict[str, Any]) -> bytes:
@@ -108,6 +116,8 @@ def manifest_from_content(root: Path, content: dict[str, Any]) -> Manifest:
         token_dtype=str(content["token_dtype"]),
         writer_options=str(content["writer_options"]),
         shards=tuple(ShardInfo(**s) for s in content["shards"]),
+        tokenizer_sha256=str(content.get("tokenizer_sha256", "")),
+        has_weights=bool(content.get("has_weights", True)),
     )
 
 
@@ -127,10 +137,10 @@ def load_manifest(root: str | Path) -> Manifest:
         manifest = manifest_from_content(Path(root), doc)
     except (ValueError, KeyError, TypeError) as e:
         raise DatasetError(f"unreadable manifest {path} ({e!r}); {_PREPARE_HINT}") from None
-    if manifest.format_version != FORMAT_VERSION:
+    if manifest.format_version not in _READABLE_FORMATS:
         raise DatasetError(
             f"manifest {path} has format_version {manifest.format_version}, this code reads "
-            f"{FORMAT_VERSION}; {_PREPARE_HINT}"
+            f"{', '.join(map(str, _READABLE_FORMATS))}; {_PREPARE_HINT}"
         )
     if stored != manifest.version:
         raise DatasetError(

@@ -6,7 +6,9 @@ per-process iterator state, which cannot be restored with a different process co
 
 `step` is the next step the loader will yield; `global_offset` (= step * global_batch, the position
 in the eligible stream) and `epoch` are derived, stored so a reader can check them and so a resume
-with a changed global batch is caught.
+with a changed global batch is caught. `tokenizer_sha256` (the manifest's; "" in positions saved
+before it existed) lets a resume with another tokenizer be refused naming both hashes, before the
+dataset-version check would refuse it less helpfully.
 """
 
 from __future__ import annotations
@@ -26,10 +28,12 @@ class DataPosition:
     epoch: int
     dataset_version: str
     quarantine: tuple[QuarantineEvent, ...] = ()
+    tokenizer_sha256: str = ""
 
     @classmethod
-    def at(cls, order: GlobalOrder, dataset_version: str, step: int) -> DataPosition:
-        return cls(step, step * order.global_batch, order.epoch_at(step), dataset_version, order.quarantine)
+    def at(cls, order: GlobalOrder, dataset_version: str, step: int, tokenizer_sha256: str = "") -> DataPosition:
+        return cls(step, step * order.global_batch, order.epoch_at(step), dataset_version, order.quarantine,
+                   tokenizer_sha256)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -38,6 +42,7 @@ class DataPosition:
             "epoch": self.epoch,
             "dataset_version": self.dataset_version,
             "quarantine": [e.to_dict() for e in self.quarantine],
+            "tokenizer_sha256": self.tokenizer_sha256,
         }
 
     @classmethod
@@ -49,13 +54,15 @@ class DataPosition:
                 epoch=int(d["epoch"]),
                 dataset_version=str(d["dataset_version"]),
                 quarantine=normalize_quarantine(d["quarantine"]),
+                tokenizer_sha256=str(d.get("tokenizer_sha256", "")),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise DatasetError(f"data position is malformed ({e!r}); expected keys step, global_offset, "
                                "epoch, dataset_version, quarantine") from None
 
-    def check_against(self, order: GlobalOrder, dataset_version: str) -> None:
-        """Refuses to resume on another dataset or with another global batch."""
+    def check_against(self, order: GlobalOrder, dataset_version: str, tokenizer_sha256: str = "") -> None:
+        """Refuses to resume with another tokenizer, on another dataset or with another global batch."""
+        check_same_tokenizer(self.tokenizer_sha256, tokenizer_sha256)
         if self.dataset_version != dataset_version:
             raise DatasetError(
                 f"data position has dataset_version {self.dataset_version[:12]}..., the dataset is "
@@ -66,3 +73,12 @@ class DataPosition:
                 f"data position global_offset {self.global_offset} != step {self.step} x global_batch "
                 f"{order.global_batch}; the global_batch changed since it was saved"
             )
+
+
+def check_same_tokenizer(saved_sha256: str, current_sha256: str) -> None:
+    """Refuses a resume whose tokenizer differs from the saved one (either unknown: nothing to check)."""
+    if saved_sha256 and current_sha256 and saved_sha256 != current_sha256:
+        raise DatasetError(
+            f"the run was saved with tokenizer sha256 {saved_sha256}, the dataset's tokenizer is sha256 "
+            f"{current_sha256}; resume with the tokenizer (and dataset) the run started on"
+        )

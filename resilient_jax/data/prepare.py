@@ -1,9 +1,13 @@
 """Building a dataset: text -> tokens -> fixed windows -> ArrayRecord shards + manifest.
 
 Layout decisions (all part of the dataset version through the manifest):
-- Files are tokenized one by one in sorted order (see `sources`) and their tokens concatenated with
-  no separator (the byte vocab has no spare id); the stream is cut into non-overlapping windows of
-  seq_len + 1 tokens and the incomplete tail is dropped. Loss weights are all 1.0.
+- Documents are tokenized in their deterministic order (see `sources`) and their tokens
+  concatenated with no separator (the byte vocab has no spare id); the stream is cut into
+  non-overlapping windows of seq_len + 1 tokens and the incomplete tail is dropped. Loss weights
+  are all 1.0, so none are stored (see `records`).
+- Streaming: documents are read and encoded a batch at a time and their tokens appended to a
+  temporary file in the build directory; the shards are then written from that file a block of
+  records at a time. Memory stays flat in the corpus size; disk holds the stream once more.
 - Records go to shards **contiguously**: shard s holds records [s*R//N, (s+1)*R//N), so global
   sample id == position in the concatenated shards, and quarantining a shard removes one contiguous
   stretch of the source text.
@@ -21,6 +25,7 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
@@ -41,10 +46,13 @@ from resilient_jax.data.manifest import (
     write_manifest,
 )
 from resilient_jax.data.records import RecordLayout, token_dtype_for
-from resilient_jax.data.sources import DEFAULT_SOURCE, collect_texts
+from resilient_jax.data.sources import DEFAULT_SOURCE, Document, iter_documents
 from resilient_jax.data.tokenizer import Tokenizer, get_tokenizer
 
 WRITER_OPTIONS = "group_size:1,uncompressed"
+_TOKEN_STREAM = "tokens.tmp"  # the whole token stream, on disk, while a dataset is built
+_ENCODE_BATCH_BYTES = 4 * 2**20
+_READ_RECORDS = 8192
 DEFAULT_SHARDS = 8
 DEFAULT_SEQ_LEN = 128
 
@@ -57,12 +65,14 @@ def prepare_dataset(
     seq_len: int = DEFAULT_SEQ_LEN,
     tokenizer: str = "bytes",
     max_bytes: int | None = None,
+    fmt: str = "auto",
+    text_field: str = "text",
 ) -> Manifest:
-    """Builds a dataset at `out`, which must not exist or be empty."""
+    """Builds a dataset at `out`, which must not exist or be empty. `fmt`/`text_field`: see `sources`."""
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise DatasetError(f"output directory {out} already exists and is not empty; choose a new --out")
-    return _build_atomically(src, out, shards, seq_len, tokenizer, max_bytes)
+    return _build_atomically(src, out, shards, seq_len, tokenizer, max_bytes, fmt, text_field)
 
 
 def ensure_dataset(
@@ -72,17 +82,20 @@ def ensure_dataset(
     seq_len: int = DEFAULT_SEQ_LEN,
     tokenizer: str = "bytes",
     max_bytes: int | None = None,
+    fmt: str = "auto",
+    text_field: str = "text",
 ) -> Manifest:
     """The dataset at `path`: loaded and fast-checked if it exists, else prepared from `src`."""
     path = Path(path)
     if (path / MANIFEST_NAME).exists():
         manifest = load_manifest(path)
-        _check_request(manifest, shards=shards, seq_len=seq_len, tokenizer=tokenizer)
+        _check_request(manifest, shards=shards, seq_len=seq_len)
+        check_tokenizer(manifest, get_tokenizer(tokenizer))
         check_files(manifest)
         return manifest
     if path.exists() and any(path.iterdir()):
         raise DatasetError(f"{path} exists but has no {MANIFEST_NAME}; remove it or choose another dataset path")
-    return _build_atomically(src, path, shards, seq_len, tokenizer, max_bytes)
+    return _build_atomically(src, path, shards, seq_len, tokenizer, max_bytes, fmt, text_field)
 
 
 def verify_dataset(path: str | os.PathLike) -> Manifest:
@@ -90,6 +103,17 @@ def verify_dataset(path: str | os.PathLike) -> Manifest:
     manifest = load_manifest(path)
     verify_files(manifest)
     return manifest
+
+
+def check_tokenizer(manifest: Manifest, tokenizer: Tokenizer) -> None:
+    """Refuses a dataset prepared with another tokenizer, naming both hashes."""
+    have = (manifest.tokenizer, manifest.tokenizer_sha256 or tokenizer.sha256)  # format 1 had no hash
+    if have != (tokenizer.name, tokenizer.sha256):
+        raise DatasetError(
+            f"dataset {manifest.root} was prepared with tokenizer {manifest.tokenizer!r} sha256 "
+            f"{manifest.tokenizer_sha256 or '(not recorded)'}, the requested one is {tokenizer.name!r} sha256 "
+            f"{tokenizer.sha256}; use the dataset's tokenizer or prepare a new dataset"
+        )
 
 
 def _check_request(manifest: Manifest, **requested: object) -> None:
@@ -103,66 +127,103 @@ def _check_request(manifest: Manifest, **requested: object) -> None:
 
 
 def _build_atomically(
-    src: str | os.PathLike, out: Path, shards: int, seq_len: int, tokenizer_name: str, max_bytes: int | None
+    src: str | os.PathLike, out: Path, shards: int, seq_len: int, tokenizer_name: str, max_bytes: int | None,
+    fmt: str = "auto", text_field: str = "text",
 ) -> Manifest:
     if shards < 1 or seq_len < 1:
         raise DatasetError(f"shards ({shards}) and seq_len ({seq_len}) must both be >= 1")
-    tokenizer = get_tokenizer(tokenizer_name)  # unknown names fail before any work
+    tokenizer = get_tokenizer(tokenizer_name)  # unknown names and unparsable files fail before any work
+    layout = RecordLayout(seq_len=seq_len, token_dtype=token_dtype_for(tokenizer.vocab_size), has_weights=False)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        windows = _token_windows(src, tokenizer, seq_len, max_bytes)
-        manifest = _write_dataset(tmp, windows, shards, tokenizer)
+        stream = tmp / _TOKEN_STREAM
+        docs = iter_documents(src, fmt, text_field, max_bytes)
+        num_tokens = _tokenize_to_file(docs, tokenizer, stream, np.dtype(layout.token_dtype))
+        manifest = _write_dataset(tmp, stream, num_tokens, layout, shards, tokenizer, src)
+        stream.unlink()
         return _publish(tmp, out, manifest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _token_windows(
-    src: str | os.PathLike, tokenizer: Tokenizer, seq_len: int, max_bytes: int | None
-) -> np.ndarray:
-    texts = collect_texts(src, max_bytes)
-    tokens = np.concatenate([np.asarray(tokenizer.encode(t.data)) for t in texts])
-    if tokens.size and (tokens.min() < 0 or tokens.max() >= tokenizer.vocab_size):
-        raise DatasetError(f"tokenizer {tokenizer.name!r} produced ids outside [0, {tokenizer.vocab_size})")
-    window = seq_len + 1
-    num_records = tokens.size // window
+def _tokenize_to_file(docs: Iterator[Document], tokenizer: Tokenizer, path: Path, dtype: np.dtype) -> int:
+    """Appends every document's tokens to `path` (raw `dtype`); returns the token count.
+
+    Documents are encoded in batches of ~_ENCODE_BATCH_BYTES (the hf/sp tokenizers spread a batch
+    over all cores); only one batch is in memory at a time."""
+    count = 0
+    with open(path, "wb") as f:
+        for batch in _batches(docs, _ENCODE_BATCH_BYTES):
+            for doc, ids in zip(batch, tokenizer.encode_batch([d.data for d in batch]), strict=True):
+                ids = np.asarray(ids)
+                if ids.size and (ids.min() < 0 or ids.max() >= tokenizer.vocab_size):
+                    raise DatasetError(f"tokenizer {tokenizer.name!r} produced ids outside "
+                                       f"[0, {tokenizer.vocab_size}) for {doc.where}")
+                f.write(ids.astype(dtype).tobytes())
+                count += ids.size
+    return count
+
+
+def _batches(docs: Iterator[Document], max_bytes: int) -> Iterator[list[Document]]:
+    batch: list[Document] = []
+    size = 0
+    for doc in docs:
+        batch.append(doc)
+        size += len(doc.data)
+        if size >= max_bytes:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _write_dataset(root: Path, stream: Path, num_tokens: int, layout: RecordLayout, num_shards: int,
+                   tokenizer: Tokenizer, src: str | os.PathLike) -> Manifest:
+    window = layout.seq_len + 1
+    num_records = num_tokens // window
     if num_records == 0:
         raise DatasetError(
-            f"source {src} has {tokens.size} tokens, fewer than one record of seq_len+1={window}; "
+            f"source {src} has {num_tokens} tokens, fewer than one record of seq_len+1={window}; "
             "add text or lower --seq-len"
         )
-    return tokens[: num_records * window].reshape(num_records, window)
-
-
-def _write_dataset(root: Path, windows: np.ndarray, num_shards: int, tokenizer: Tokenizer) -> Manifest:
-    num_records, window = windows.shape
     if num_records < num_shards:
         raise DatasetError(
             f"the source gives {num_records} records, fewer than --shards {num_shards}; "
             "lower --shards or --seq-len, or add text"
         )
-    layout = RecordLayout(seq_len=window - 1, token_dtype=token_dtype_for(tokenizer.vocab_size))
-    weights = np.ones((num_records, window - 1), np.float32)
     infos = []
     for shard in range(num_shards):
         lo, hi = shard * num_records // num_shards, (shard + 1) * num_records // num_shards
         name = f"shard-{shard:05d}-of-{num_shards:05d}.array_record"
-        _write_shard(root / name, layout.encode(windows[lo:hi], weights[lo:hi]))
+        _write_shard(root / name, _records(stream, layout, lo, hi))
         infos.append(ShardInfo(name, hi - lo, (root / name).stat().st_size, file_sha256(root / name)))
     content = {
         "format_version": FORMAT_VERSION,
         "tokenizer": tokenizer.name,
+        "tokenizer_sha256": tokenizer.sha256,
         "vocab_size": tokenizer.vocab_size,
         "seq_len": layout.seq_len,
         "token_dtype": layout.token_dtype,
+        "has_weights": layout.has_weights,
         "writer_options": WRITER_OPTIONS,
         "shards": [asdict(i) for i in infos],
     }
     manifest = manifest_from_content(root, content)
     write_manifest(manifest)
     return manifest
+
+
+def _records(stream: Path, layout: RecordLayout, lo: int, hi: int) -> Iterator[bytes]:
+    """Records [lo, hi) of the token stream, read _READ_RECORDS at a time (memory stays flat)."""
+    window = layout.seq_len + 1
+    dtype = np.dtype(layout.token_dtype)
+    for start in range(lo, hi, _READ_RECORDS):
+        stop = min(start + _READ_RECORDS, hi)
+        tokens = np.fromfile(stream, dtype=dtype, count=(stop - start) * window,
+                             offset=start * window * dtype.itemsize)
+        yield from layout.encode(tokens.reshape(stop - start, window))
 
 
 def _write_shard(path: Path, records) -> None:

@@ -51,9 +51,9 @@ class BatchReader:
         ids = global_batch_ids(order, step)[lo:hi]
         rows = self.manifest.layout.decode(self.source.__getitems__(ids.tolist()))
         shard_ids = self.manifest.shard_of(ids)
-        weights = rows["weights"].astype(np.float32)  # a writable copy: the poison hook edits it
+        weights = rows["weights"]  # a fresh float32 array: the poison hook edits it
         self._poison(step, shard_ids, weights)
-        return Batch(step, rows["tokens"].astype(np.int32), weights, ids, shard_ids)
+        return Batch(step, rows["tokens"], weights, ids, shard_ids)
 
     def _poison(self, step: int, shard_ids: np.ndarray, weights: np.ndarray) -> None:
         for shard, from_step in self.poison.items():

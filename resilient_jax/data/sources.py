@@ -1,20 +1,38 @@
-"""Which text goes into a dataset, and in which order.
+"""Which documents go into a dataset, and in which order -- streamed, never all in memory.
 
-The walk is deterministic: every candidate file under the source directory, sorted by its relative
-POSIX path (not by the file system's listing order), read as raw bytes, no timestamps or absolute
-paths involved. An optional byte cap keeps the first `max_bytes` of that stream (the last file is
-cut), so the same directory gives the same text on any machine.
+`iter_documents(src, fmt, text_field, max_bytes)` yields `Document`s (a location for error
+messages and the UTF-8 bytes) in a deterministic order: files are taken in sorted relative-POSIX-path
+order (not the file system's listing order), then in file order. Nothing else -- no timestamps,
+absolute paths or source format -- enters the text, so the same documents give the same dataset
+version on any machine, and a jsonl file and a parquet file of the same texts give the same one.
 
-- A user directory: every non-hidden regular file that is text (valid UTF-8, no NUL byte).
-- `default`: the Python standard library's `.py` sources (`sysconfig.get_paths()["stdlib"]`)
-  without site-packages and test directories, capped at DEFAULT_MAX_BYTES so preparing takes
-  seconds. Its content depends on the Python build, so its dataset version does too.
+Formats (`fmt`, default "auto": from the file extension, or for a directory from its contents):
+- `text`     a directory of text files, one document per file: every non-hidden regular file that
+             is text (valid UTF-8, no NUL byte); others are skipped
+- `jsonl`    a `.jsonl` file (or a directory of them): one JSON object per line, the document is its
+             `text_field` string; blank lines are skipped, anything else bad is an error naming
+             file and line
+- `parquet`  a `.parquet` file (or a directory of them): the `text_field` column, read one row
+             group at a time with pyarrow
+- `hf`       a Hugging Face `datasets` directory (`Dataset.save_to_disk`): its `state.json` lists
+             the Arrow stream files, read batch by batch with pyarrow (the `datasets` package is
+             not needed)
+- `default`  (src == "default") the Python standard library's `.py` sources without site-packages
+             and test directories, capped at DEFAULT_MAX_BYTES; its content depends on the Python
+             build, so its dataset version does too
+
+Auto-detection of a directory: `state.json` + `dataset_info.json` -> hf; every data file ends in
+`.jsonl` -> jsonl; every one in `.parquet` -> parquet; otherwise text.
+
+`max_bytes` keeps the first `max_bytes` bytes of the document stream (the last document is cut).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sysconfig
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,38 +40,58 @@ from resilient_jax.data.errors import DatasetError
 
 DEFAULT_SOURCE = "default"
 DEFAULT_MAX_BYTES = 8 * 2**20
+FORMATS = ("auto", "text", "jsonl", "parquet", "hf")
+_EXTENSIONS = {".jsonl": "jsonl", ".parquet": "parquet"}
 _STDLIB_SKIP_DIRS = frozenset({
     "site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test",
 })
+_PARQUET_BATCH_ROWS = 1024
 
 
 @dataclass(frozen=True)
-class SourceText:
-    rel_path: str
+class Document:
+    where: str  # "rel/path" or "file.jsonl:LINE", for messages
     data: bytes
 
 
-def collect_texts(src: str | os.PathLike, max_bytes: int | None = None) -> list[SourceText]:
-    """The source's text files in sorted relative-path order, cut to `max_bytes` in total.
-
-    `src == "default"` means the standard library (and `max_bytes=None` means DEFAULT_MAX_BYTES).
-    """
+def iter_documents(
+    src: str | os.PathLike, fmt: str = "auto", text_field: str = "text", max_bytes: int | None = None
+) -> Iterator[Document]:
+    """The source's documents in their deterministic order, cut to `max_bytes` in total."""
+    if fmt not in FORMATS:
+        raise DatasetError(f"unknown --format {fmt!r}; use one of: {', '.join(FORMATS)}")
     if str(src) == DEFAULT_SOURCE:
         root = Path(sysconfig.get_paths()["stdlib"])
-        candidates = _walk(root, skip_dirs=_STDLIB_SKIP_DIRS, suffix=".py")
+        docs = _text_files(root, _walk(root, skip_dirs=_STDLIB_SKIP_DIRS, suffix=".py"))
         max_bytes = DEFAULT_MAX_BYTES if max_bytes is None else max_bytes
     else:
         root = Path(src)
-        if not root.is_dir():
-            raise DatasetError(f"source directory {root} does not exist; pass --src DIR or --src default")
-        candidates = _walk(root, skip_dirs=frozenset(), suffix="")
-    texts = _read_capped(root, candidates, max_bytes)
-    if not texts:
-        raise DatasetError(
-            f"source directory {root} has no text files (UTF-8, no NUL bytes, not hidden); "
-            "point --src at a directory of text"
-        )
-    return texts
+        if not root.exists():
+            raise DatasetError(f"source {root} does not exist; pass --src DIR, FILE.jsonl, FILE.parquet "
+                               "or --src default")
+        fmt = detect_format(root) if fmt == "auto" else fmt
+        docs = _READERS[fmt](root, text_field)
+    yield from _capped(docs, max_bytes, root)
+
+
+def detect_format(root: Path) -> str:
+    if root.is_file():
+        if root.suffix in _EXTENSIONS:
+            return _EXTENSIONS[root.suffix]
+        raise DatasetError(f"cannot tell the format of {root} from its extension {root.suffix or '(none)'!r}; "
+                           f"pass --format ({', '.join(FORMATS[1:])}) or use .jsonl / .parquet")
+    if (root / "state.json").is_file() and (root / "dataset_info.json").is_file():
+        return "hf"
+    suffixes = {Path(p).suffix for p in _walk(root, skip_dirs=frozenset(), suffix="")}
+    if len(suffixes) == 1 and (only := suffixes.pop()) in _EXTENSIONS:
+        return _EXTENSIONS[only]
+    return "text"
+
+
+def _files(root: Path, suffix: str) -> list[Path]:
+    if root.is_file():
+        return [root]
+    return [root / rel for rel in _walk(root, skip_dirs=frozenset(), suffix=suffix)]
 
 
 def _walk(root: Path, skip_dirs: frozenset[str], suffix: str) -> list[str]:
@@ -70,20 +108,110 @@ def _walk(root: Path, skip_dirs: frozenset[str], suffix: str) -> list[str]:
     return sorted(rel_paths)
 
 
-def _read_capped(root: Path, rel_paths: list[str], max_bytes: int | None) -> list[SourceText]:
-    texts: list[SourceText] = []
-    total = 0
+def _read_text_dir(root: Path, text_field: str) -> Iterator[Document]:
+    if not root.is_dir():
+        raise DatasetError(f"--format text needs a directory of text files, {root} is a file")
+    return _text_files(root, _walk(root, skip_dirs=frozenset(), suffix=""))
+
+
+def _text_files(root: Path, rel_paths: list[str]) -> Iterator[Document]:
     for rel in rel_paths:
-        if max_bytes is not None and total >= max_bytes:
-            break
         data = (root / rel).read_bytes()
-        if not data or not _is_text(data):
+        if data and _is_text(data):
+            yield Document(rel, data)
+
+
+def _read_jsonl(root: Path, text_field: str) -> Iterator[Document]:
+    for path in _files(root, ".jsonl"):
+        with open(path, "rb") as f:
+            for number, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                where = f"{path}:{number}"
+                try:
+                    obj = json.loads(line)
+                except ValueError as e:
+                    raise DatasetError(f"{where}: not valid JSON ({e}); fix or remove the line") from None
+                if not isinstance(obj, dict) or text_field not in obj:
+                    keys = ", ".join(map(str, obj)) if isinstance(obj, dict) else type(obj).__name__
+                    raise DatasetError(f"{where}: no text field {text_field!r} (has: {keys}); "
+                                       "pass --text-field NAME")
+                yield Document(where, _text_value(obj[text_field], where, text_field))
+
+
+def _read_parquet(root: Path, text_field: str) -> Iterator[Document]:
+    pq = _pyarrow("parquet").parquet
+    for path in _files(root, ".parquet"):
+        try:
+            pf = pq.ParquetFile(path)
+        except Exception as e:  # pyarrow's ArrowInvalid and friends
+            raise DatasetError(f"{path}: not a readable parquet file ({e})") from None
+        batches = (batch for group in range(pf.num_row_groups)  # one row group in memory at a time
+                   for batch in pf.iter_batches(batch_size=_PARQUET_BATCH_ROWS, row_groups=[group],
+                                                columns=[text_field]))
+        yield from _arrow_docs(path, pf.schema_arrow.names, batches, text_field)
+
+
+def _read_hf_dir(root: Path, text_field: str) -> Iterator[Document]:
+    ipc = _pyarrow("hf").ipc
+    state_path = root / "state.json"
+    try:
+        files = [root / f["filename"] for f in json.loads(state_path.read_text())["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DatasetError(f"{state_path}: not a Hugging Face save_to_disk state.json ({e!r}); "
+                           "point --src at a directory written by Dataset.save_to_disk") from None
+    for path in files:  # in state.json's order: the dataset's row order
+        try:
+            reader = ipc.open_stream(path)
+        except Exception as e:
+            raise DatasetError(f"{path}: not a readable Arrow stream file ({e})") from None
+        yield from _arrow_docs(path, reader.schema.names, reader, text_field)
+
+
+def _arrow_docs(path: Path, columns: list[str], batches, text_field: str) -> Iterator[Document]:
+    """The `text_field` strings of Arrow record batches, one document per row."""
+    if text_field not in columns:
+        raise DatasetError(f"{path}: no column {text_field!r} (columns: {', '.join(columns)}); "
+                           "pass --text-field NAME")
+    row = 0
+    for batch in batches:
+        for value in batch.column(text_field).to_pylist():
+            where = f"{path}:row {row}"
+            yield Document(where, _text_value(value, where, text_field))
+            row += 1
+
+
+def _text_value(value: object, where: str, text_field: str) -> bytes:
+    if not isinstance(value, str):
+        raise DatasetError(f"{where}: field {text_field!r} is {type(value).__name__}, not a string; "
+                           "pass --text-field naming a text field")
+    return value.encode("utf-8")
+
+
+def _pyarrow(fmt: str):
+    try:
+        import pyarrow
+        import pyarrow.ipc
+        import pyarrow.parquet
+    except ImportError:
+        raise DatasetError(f"--format {fmt} needs the 'pyarrow' package, which is not installed; "
+                           "pip install 'resilient_jax[data]' (or pyarrow)") from None
+    return pyarrow
+
+
+def _capped(docs: Iterator[Document], max_bytes: int | None, root: Path) -> Iterator[Document]:
+    total = 0
+    for doc in docs:
+        if max_bytes is not None and total >= max_bytes:
+            return
+        data = doc.data if max_bytes is None else doc.data[: max_bytes - total]
+        if not data:
             continue
-        if max_bytes is not None:
-            data = data[: max_bytes - total]
-        texts.append(SourceText(rel, data))
         total += len(data)
-    return texts
+        yield Document(doc.where, data)
+    if total == 0:
+        raise DatasetError(f"source {root} has no text (text files: UTF-8, no NUL bytes, not hidden; "
+                           "jsonl/parquet: non-empty text fields); point --src at some text")
 
 
 def _is_text(data: bytes) -> bool:
@@ -94,3 +222,6 @@ def _is_text(data: bytes) -> bool:
     except UnicodeDecodeError:
         return False
     return True
+
+
+_READERS = {"text": _read_text_dir, "jsonl": _read_jsonl, "parquet": _read_parquet, "hf": _read_hf_dir}

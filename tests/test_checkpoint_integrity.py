@@ -1,0 +1,223 @@
+"""Verify = loadable: every byte a restore reads is covered by the commit manifest.
+
+One toy checkpoint (two array trees, the store's real save path) is written once per module and
+copied per case. The seeded byte-flip sweep is the issue's "must show": a random byte of a random
+file flipped -> `verify` fails naming that file, or the restore is bit-exact.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+from typing import NamedTuple
+
+import jax
+import numpy as np
+import pytest
+
+from resilient_jax.checkpoint import commit, reader
+from resilient_jax.checkpoint.reader import CheckpointError
+from resilient_jax.checkpoint.store import CheckpointSaveError, CheckpointStore
+from resilient_jax.fingerprinting import params_fingerprint
+
+from conftest import run_cli
+from test_checkpoint_kill import _context, _expected_state
+
+FLIP_SEEDS = 40
+RESTORED_SEEDS = 6  # of those, also refused by a real restore (the slower path)
+
+
+class State(NamedTuple):
+    params: dict
+    opt_state: dict
+
+
+def _device_state(step: int) -> State:
+    return State(*jax.tree.map(jax.numpy.asarray, _expected_state(step)))
+
+
+def _abstract(step: int) -> State:
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), _device_state(step))
+
+
+def _fingerprint(state: State) -> str:
+    return params_fingerprint((state.params, state.opt_state))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    """A checkpoint root with committed steps 1 and 2 (async save, the trainer's path)."""
+    root = tmp_path_factory.mktemp("integrity") / "ckpt"
+    store = CheckpointStore(root, async_save=True)
+    for step in (1, 2):
+        store.save(step, _device_state(step), _context(step))
+    store.close()
+    assert reader.list_steps(root) == [1, 2]
+    return root
+
+
+@pytest.fixture
+def copy(saved, tmp_path) -> Path:
+    dest = tmp_path / "ckpt"
+    shutil.copytree(saved, dest)
+    return dest
+
+
+def _flip(path: Path, rng: random.Random) -> int:
+    data = bytearray(path.read_bytes())
+    offset = rng.randrange(len(data))
+    data[offset] ^= 1 << rng.randrange(8)
+    path.write_bytes(bytes(data))
+    return offset
+
+
+def test_commit_manifest_lists_every_file_of_the_step(saved):
+    step_dir = saved / "2"
+    files = commit.read(step_dir)
+    on_disk = {p.relative_to(step_dir).as_posix() for p in step_dir.rglob("*") if p.is_file()}
+    assert set(files) == on_disk - {"commit/process_0.json"}
+    for must in ("optimizer/_METADATA", "optimizer/_sharding", "weights/manifest.ocdbt", "_CHECKPOINT_METADATA",
+                 "manifest/manifest.json", "rng/rng.json"):
+        assert must in files, must
+    assert any(rel.startswith("weights/ocdbt.process_0/d/") for rel in files)
+    assert reader.verify(step_dir, deep=True) == []
+
+
+def test_random_byte_flip_fails_verify_naming_the_file_or_restores_bit_exact(saved, tmp_path):
+    expected = _fingerprint(State(*_expected_state(2)))
+    rng = random.Random(16)
+    named = restored_exact = 0
+    for seed in range(FLIP_SEEDS):
+        root = tmp_path / f"seed{seed}"
+        shutil.copytree(saved, root)
+        step_dir = root / "2"
+        files = sorted(p for p in step_dir.rglob("*") if p.is_file() and p.stat().st_size)
+        victim = rng.choice(files)
+        rel = victim.relative_to(step_dir).as_posix()
+        offset = _flip(victim, rng)
+        problems = reader.verify(step_dir)
+        if problems:
+            assert any(rel in str(p) for p in problems), (seed, rel, offset, [str(p) for p in problems])
+            named += 1
+            if seed < RESTORED_SEEDS:
+                with pytest.raises(CheckpointError) as refused:
+                    if rel.startswith(("weights/", "optimizer/", "manifest/", "commit/")):
+                        CheckpointStore.restore_arrays(step_dir, _abstract(2))
+                    else:  # the context fields and orbax's top-level files: what resume reads first
+                        reader.load(step_dir)
+                assert rel in str(refused.value), (seed, rel, str(refused.value))
+        else:
+            state = CheckpointStore.restore_arrays(step_dir, _abstract(2))
+            assert _fingerprint(state) == expected, (seed, rel, offset)
+            restored_exact += 1
+        shutil.rmtree(root)
+    assert named + restored_exact == FLIP_SEEDS and named > 0
+
+
+def test_flipped_orbax_metadata_byte_is_named_by_the_cli(copy):
+    """The reported bug: one byte of optimizer/_METADATA flipped, and verify said ok."""
+    step_dir = copy / "2"
+    path = step_dir / "optimizer" / "_METADATA"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x80
+    path.write_bytes(bytes(data))
+    proc = run_cli("resilient_jax.checkpoint", "verify", str(step_dir))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"error: checkpoint {step_dir}: optimizer: optimizer/_METADATA: does not match its crc32c in the commit "
+        f"manifest (corrupt); resume from the older step 1 (--resume {copy / '1'}) after verifying it"]
+
+
+@pytest.mark.parametrize("damage", ["missing", "corrupt"])
+def test_missing_or_corrupt_commit_manifest_is_one_line_naming_it(copy, damage):
+    step_dir = copy / "2"
+    path = commit.commit_file(step_dir, 0)
+    if damage == "missing":
+        path.unlink()
+        assert reader.list_steps(copy) == [1]  # an uncommitted step is not offered for resume
+        assert reader.uncommitted_dirs(copy) == [step_dir]
+    else:
+        path.write_text(path.read_text().replace('"bytes": ', '"bytes": 1', 1))
+    proc = run_cli("resilient_jax.checkpoint", "verify", str(step_dir))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    [line] = proc.stderr.splitlines()
+    problem = "is missing" if damage == "missing" else "does not match its own crc32c"
+    assert line.startswith(f"error: checkpoint {step_dir}: commit: commit/process_0.json: {problem}"), line
+    assert line.endswith(f"resume from the older step 1 (--resume {copy / '1'}) after verifying it"), line
+
+
+def test_corrupt_orbax_manifest_item_is_one_line_naming_it(copy):
+    step_dir = copy / "2"
+    (step_dir / "manifest" / "manifest.json").write_text("{not json")
+    proc = run_cli("resilient_jax.checkpoint", "verify", str(step_dir))
+    [line] = proc.stderr.splitlines()
+    assert proc.returncode == 2 and line.startswith(
+        f"error: checkpoint {step_dir}: manifest: manifest/manifest.json: is ")
+    assert "resume from the older step 1" in line
+
+
+def test_dry_run_catches_a_consistent_commit_of_wrong_shapes(copy):
+    """A writer bug, not a flipped byte: the manifest disagrees with the arrays yet every crc32c
+    matches. The structural dry-run (zarr metadata via OCDBT, no array read) names the array."""
+    step_dir = copy / "2"
+    path = step_dir / "manifest" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["arrays"]["weights"]["w"]["shape"] = [128, 512]
+    path.write_text(json.dumps(manifest))
+    commit.write(step_dir, 2, 0, 1)
+    problems = [str(p) for p in reader.verify(step_dir)]
+    assert problems == [f"checkpoint {step_dir}: weights: array w is float32[256, 256], manifest says "
+                        "float32[128, 512]"]
+
+
+def test_deep_decodes_every_array(copy):
+    """Zeroed chunk bytes re-committed as if written so: metadata and crc32c pass, decoding does not."""
+    step_dir = copy / "2"
+    data_files = sorted((step_dir / "weights" / "ocdbt.process_0" / "d").iterdir(), key=lambda p: p.stat().st_size)
+    big = data_files[-1]
+    raw = bytearray(big.read_bytes())
+    raw[len(raw) // 4: len(raw) // 2] = bytes(len(raw) // 2 - len(raw) // 4)
+    big.write_bytes(bytes(raw))
+    commit.write(step_dir, 2, 0, 1)
+    assert reader.verify(step_dir) == []
+    deep = reader.verify(step_dir, deep=True)
+    assert deep and all(": weights: array " in str(p) and "unreadable" in str(p) for p in deep), [str(p) for p in deep]
+
+
+def test_failed_commit_write_leaves_no_listed_step(tmp_path, monkeypatch):
+    """A real fault in stage 2 (the commit file cannot be written): the step orbax renamed into
+    place is removed, the save fails with one line, and the previous step stays committed."""
+    import errno
+    import os
+
+    root = tmp_path / "ckpt"
+    store = CheckpointStore(root, async_save=True)
+    store.save(1, _device_state(1), _context(1))
+    store.wait()
+    original = commit.write
+
+    def full_disk(step_dir, step, process, count):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(commit.commit_file(step_dir, process)))
+
+    monkeypatch.setattr(commit, "write", full_disk)
+    with pytest.raises(CheckpointSaveError, match="save of step 2 .* no space left on device; the newest "
+                                                  "committed checkpoint, step 1, is intact"):
+        store.save(2, _device_state(2), _context(2))
+        store.wait()
+    monkeypatch.setattr(commit, "write", original)
+    assert reader.list_steps(root) == [1] and not (root / "2").exists()
+    store.save(3, _device_state(3), _context(3))
+    store.close()
+    assert reader.list_steps(root) == [1, 3] and reader.verify(root / "3") == []
+
+
+def test_store_removes_a_step_left_uncommitted_and_resumes_the_older(copy):
+    shutil.rmtree(copy / "2" / commit.COMMIT_DIR)  # killed between orbax's rename and the commit file
+    store = CheckpointStore(copy)
+    assert store.removed_temporary == [copy / "2"] and store.steps() == [1]
+    state = store.restore_arrays(copy / "1", _abstract(1))
+    store.close()
+    assert _fingerprint(state) == _fingerprint(State(*_expected_state(1)))
