@@ -88,4 +88,4 @@ def test_batch_not_divisible_into_virtual_shards_is_refused(global_batch, shards
 
 def test_replicas_that_do_not_divide_the_shards_get_padding():
     plan = step_lib.make_shard_plan(48, 24, 5)
-    assert (plan.padded_shards, plan.shards_per_replica, plan.padded_rows) == (25, 5, 50)
+    assert (plan.padded_shards, plan.shards_per_device, plan.padded_rows) == (25, 5, 50)
