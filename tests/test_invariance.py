@@ -39,11 +39,8 @@ def test_fingerprint_identical_for_every_data_fsdp_layout(reference, tmp_path, d
 
 
 def test_uneven_grid_pads_and_stays_invariant(reference, tmp_path):
-    # 5 x 1 and 1 x 5 grids do not divide 24 virtual shards: one padding shard, same trajectory.
-    for data, fsdp in ((5, 1), (1, 5)):
-        if fsdp > 1:
-            pytest.skip("fsdp=5 does not divide the tiny model's d_model") if 64 % fsdp else None
-        assert _train(tmp_path, data, fsdp)["params_fingerprint"] == reference["params_fingerprint"]
+    # A 5-device grid does not divide 24 virtual shards: one padding shard, same trajectory.
+    assert _train(tmp_path, 5)["params_fingerprint"] == reference["params_fingerprint"]
 
 
 def test_fingerprint_identical_across_layouts_with_tensor_parallelism(reference, tmp_path):
