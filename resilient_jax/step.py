@@ -8,8 +8,9 @@ costs zero steps. `compute` also reports per-virtual-shard finiteness, so a NaN 
 before `apply` ever sees it.
 
 Batch layout: the global batch has V_padded * b rows; rows [v*b, (v+1)*b) are virtual shard v.
-Rows of padding shards (v >= V, present only when the replica count does not divide V) carry
-zero loss weight and are left out of the sum.
+Shard v is computed on grid device v // S of the data x fsdp grid (data-major), S shards per device.
+Rows of padding shards (v >= V, present only when the grid size does not divide V) carry zero
+loss weight: their gradients are exactly zero and their losses are left out of the sums.
 """
 
 from __future__ import annotations

@@ -217,9 +217,7 @@ def timed(name: str, data: int, fsdp: int, steps: int, rounds: int) -> dict:
 def precision(name: str) -> dict:
     """Sums of the model's real per-shard gradients, against a float64 reference."""
     import jax
-    import jax.numpy as jnp
     import numpy as np
-    import optax
     from jax.sharding import PartitionSpec as P
 
     from resilient_jax import reduce
@@ -280,7 +278,6 @@ def precision(name: str) -> dict:
             }
         result = compute(state.params, batch.tokens, batch.weights, np.int32(k))
         state, _ = apply(state, result.grads, np.int32(k))
-    del jnp, optax
     return out
 
 

@@ -140,7 +140,8 @@ def test_exact_reduction_matches_the_float_sum_and_takes_one_pass_on_ordinary_sh
 
 
 @pytest.mark.parametrize("parallel, message", [
-    (ParallelConfig(data=2, tensor=3), r"parallel.tensor \(3\) must divide model.n_heads \(4\); use a tensor size in \[1, 2, 4\]"),
+    (ParallelConfig(data=2, tensor=3),
+     r"parallel.tensor \(3\) must divide model.n_heads \(4\); use a tensor size in \[1, 2, 4\]"),
     (ParallelConfig(data=1, fsdp=3), r"parallel.fsdp \(3\) must divide model.d_model \(64\)"),
 ])
 def test_layout_that_cannot_split_the_model_is_refused_before_compiling(parallel, message):
