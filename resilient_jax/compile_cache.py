@@ -6,6 +6,12 @@ disk survives `clear_backends`, so a world size this run (or any run sharing the
 compiled before is loaded instead of compiled. JAX writes entries atomically (temp file + rename),
 so the processes of one world, and several runs, may share a directory.
 
+Measured limit (jax 0.10.2, CPU, gloo, one process per host): the cache key hashes the compile
+options and the accelerator config, and both differ between the processes of one world, while
+only process 0 writes entries. So in a multi-process world only rank 0 loads its step from the
+cache; the other ranks compile (cpu-4host rerun: rank 0 7.3 s from the cache, ranks 1-3 50-54 s).
+Each worker logs its own line; the metrics.jsonl `compile` event is rank 0's.
+
 `runtime.compile_cache`: "auto" = <run.dir>/compile_cache; "" or "off" = no persistent cache; any
 other value = that directory (e.g. one shared by several runs). An unwritable directory is a
 warning, not an error: the run compiles as it would without the cache.
