@@ -284,6 +284,10 @@ class RuntimeConfig:
     straggler_window: int = 10
     # Fewer live hosts than this ends the run with an error instead of continuing.
     min_hosts: int = 1
+    # JAX's persistent compilation cache, so a re-formed world loads its step instead of compiling
+    # it: "auto" = <run.dir>/compile_cache; "" or "off" = none; any other value = that directory
+    # (may be shared by runs). Not writable: a warning, and the run compiles uncached.
+    compile_cache: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -416,7 +420,10 @@ RANGES: dict[str, Bound] = {
 
 # Keys that name files or directories: resolved to absolute paths once, at load (orbax refuses
 # relative paths, and a run must not change meaning when a later process starts elsewhere).
-PATH_KEYS = ("run.dir", "checkpoint.dir", "data.dataset", "data.src")
+# Text keys whose value "off" YAML would otherwise turn into false.
+OFF_SWITCH_KEYS = ("runtime.compile_cache",)
+
+PATH_KEYS = ("run.dir", "checkpoint.dir", "data.dataset", "data.src", "runtime.compile_cache")
 
 
 def config_hash(cfg: Config) -> str:
@@ -443,15 +450,17 @@ def absolute_path(path: str) -> str:
 
 
 def resolve_paths(cfg: Config) -> Config:
-    """The config with every path key absolute ("" and data.src "default" keep their meaning)."""
-    def fix(value: str) -> str:
-        return value if value in ("", "default") else absolute_path(value)
+    """The config with every path key absolute ("", data.src "default" and runtime.compile_cache
+    "auto" / "off" keep their meaning)."""
+    def fix(value: str, keep: tuple[str, ...] = ("", "default")) -> str:
+        return value if value in keep else absolute_path(value)
 
     return dataclasses.replace(
         cfg,
         run=dataclasses.replace(cfg.run, dir=fix(cfg.run.dir)),
         checkpoint=dataclasses.replace(cfg.checkpoint, dir=fix(cfg.checkpoint.dir)),
         data=dataclasses.replace(cfg.data, dataset=fix(cfg.data.dataset), src=fix(cfg.data.src)),
+        runtime=dataclasses.replace(cfg.runtime, compile_cache=fix(cfg.runtime.compile_cache, ("", "auto", "off"))),
     )
 
 
@@ -598,6 +607,8 @@ def _coerce(value: Any, typ: Any, key: str) -> Any:
     elif typ is str:
         if isinstance(value, str):
             return value
+        if value is False and key in OFF_SWITCH_KEYS:
+            return "off"  # YAML 1.1 reads a bare `off` as false
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)
     else:  # pragma: no cover - a field type this module does not know is a programming error

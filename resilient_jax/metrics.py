@@ -121,7 +121,8 @@ def describe(record: dict[str, Any]) -> str:
         return (f"step {step}: data shard {record.get('shard')} gave non-finite values "
                 f"({len(record.get('samples', []))} samples); quarantined, the step is re-read without it")
     if kind == "compile":
-        return f"compiled the train step in {record.get('seconds', 0.0):.1f} s"
+        cached = " (from the compile cache)" if record.get("cache_hit") else ""
+        return f"compiled the train step in {record.get('seconds', 0.0):.1f} s{cached}"
     rest = ", ".join(f"{k} {v}" for k, v in sorted(record.items()) if k not in ("event", "step", "time"))
     return f"{kind} at step {step}" + (f": {rest}" if rest else "")
 

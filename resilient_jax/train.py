@@ -21,6 +21,7 @@ import os
 import sys
 from pathlib import Path
 
+from resilient_jax import compile_cache
 from resilient_jax.checkpoint.preemption import INTERRUPTED, INTERRUPTED_EXIT
 from resilient_jax.config import Config, ConfigError, absolute_path, load_config
 from resilient_jax.distributed import ENV_PROCESS_ID
@@ -72,6 +73,8 @@ def setup_devices(cfg: Config) -> None:
 
     if cfg.parallel.devices > 0:
         jax.config.update("jax_num_cpu_devices", cfg.parallel.devices)
+    if warning := compile_cache.enable(cfg.runtime.compile_cache, cfg.run.dir).warning:
+        print(warning, file=sys.stderr)
     initialize_from_env()
 
 

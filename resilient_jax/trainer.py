@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from resilient_jax import compile_cache
 from resilient_jax import data as data_lib
 from resilient_jax import faults as faults_lib
 from resilient_jax import flops as flops_lib
@@ -42,11 +43,20 @@ class NonFiniteStepError(RuntimeError):
     """Gradients stayed non-finite after quarantining the data shards behind them."""
 
 
-def resolve_dataset(cfg: DataConfig) -> data_lib.Manifest:
-    """The configured dataset, built on first use (see data.location); verified against its manifest."""
+def resolve_dataset(cfg: DataConfig, verified: data_lib.Manifest | None = None) -> data_lib.Manifest:
+    """The configured dataset, built on first use (see data.location); verified against its manifest.
+
+    `verified`: the manifest this process already verified in full (an elastic worker's earlier
+    world). If the dataset still has that version, only the cheap identity checks run (manifest
+    version, every shard present with its size) -- re-hashing every shard at each world formation
+    would make recovery cost grow with the corpus.
+    """
     path = check_buildable(cfg)
-    data_lib.ensure_dataset(path, src=cfg.src, shards=cfg.shards, seq_len=cfg.seq_len, tokenizer=cfg.tokenizer,
-                            fmt=cfg.format, text_field=cfg.text_field)
+    manifest = data_lib.ensure_dataset(path, src=cfg.src, shards=cfg.shards, seq_len=cfg.seq_len,
+                                       tokenizer=cfg.tokenizer, fmt=cfg.format,
+                                       text_field=cfg.text_field)  # loads the manifest and checks sizes
+    if verified is not None and verified.root == manifest.root and verified.version == manifest.version:
+        return manifest
     return data_lib.verify_dataset(path)
 
 
@@ -88,9 +98,11 @@ class RunTotals:
 
 class Trainer:
     def __init__(self, cfg: Config, *, devices: list[jax.Device] | None = None, resume: str | None = None,
-                 allow_config_change: list[str] = (), stop_at: int | None = None):
+                 allow_config_change: list[str] = (), stop_at: int | None = None,
+                 verified_dataset: data_lib.Manifest | None = None):
         """`resume`, `allow_config_change`: see resilient_jax.checkpoint.session; `stop_at`: stop (and
-        checkpoint) after that many steps, as a preemption would."""
+        checkpoint) after that many steps, as a preemption would; `verified_dataset`: see
+        resolve_dataset."""
         self.cfg = cfg
         self.resume = resume
         self.allow_config_change = list(allow_config_change)
@@ -101,7 +113,7 @@ class Trainer:
             cfg.data.global_batch, cfg.parallel.virtual_shards, mesh_lib.grid_size(self.mesh)
         )
         mesh_lib.check_model_layout(cfg.model, dict(self.mesh.shape))
-        self.manifest = resolve_dataset(cfg.data)
+        self.manifest = resolve_dataset(cfg.data, verified_dataset)
         if self.manifest.vocab_size > cfg.model.vocab_size:
             raise ValueError(
                 f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the dataset's vocabulary "
@@ -443,14 +455,12 @@ class StepLoop:
     def compile(self, state) -> float:
         """Compile this world's step before the first one runs, so compiling is reported as
         compile_seconds and never as a slow step."""
-        t0 = time.perf_counter()
-        self.trainer.precompile(state)
-        seconds = time.perf_counter() - t0
-        self.totals.compile_seconds += seconds
+        compiled = compile_cache.timed_compile(lambda: self.trainer.precompile(state))
+        self.totals.compile_seconds += compiled.seconds
         if self.history is not None:
-            self.history.compiled(seconds)
-        self.log.event({"event": "compile", "step": self.completed, "seconds": seconds})
-        return seconds
+            self.history.compiled(compiled.seconds)
+        self.log.event({"event": "compile", "step": self.completed, **compiled.to_event()})
+        return compiled.seconds
 
     def step(self, state, step: int):
         cfg, totals = self.trainer.cfg, self.totals

@@ -27,6 +27,7 @@ import threading
 import time
 from pathlib import Path
 
+from resilient_jax import compile_cache
 from resilient_jax import faults as faults_lib
 from resilient_jax import gpu_env
 from resilient_jax.config import Config, ConfigError
@@ -90,6 +91,8 @@ def run_elastic(cfg: Config, *, resume: str | None = None, allow_config_change: 
     """Run to the end (or a stop) and return the summary; its `stopped` is None, "interrupted",
     "preempted" or "stop_at". `resume`, `allow_config_change`, `stop_at` as for single-process runs."""
     validate(cfg)
+    if warning := compile_cache.check(cfg.runtime.compile_cache, cfg.run.dir):
+        print(warning, file=sys.stderr, flush=True)  # once, here; each worker notes it in its own log
     run_dir = Path(cfg.run.dir)
     logs = run_dir / "elastic" / "logs"
     logs.mkdir(parents=True, exist_ok=True)

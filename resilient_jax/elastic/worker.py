@@ -201,6 +201,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 3
+    from resilient_jax import compile_cache
+
+    # Before the first compile: later worlds of a size seen before load their step from disk.
+    if warning := compile_cache.enable(cfg.runtime.compile_cache, cfg.run.dir).warning:
+        log.warning("%s", warning)
     from resilient_jax.elastic.channel import ControllerClient, ControllerError
 
     from resilient_jax.elastic.tls import CA_ENV
@@ -263,6 +268,7 @@ class Worker:
         from resilient_jax.trainer import RunTotals
 
         self.kept = HostState()
+        self.verified_dataset = None  # the dataset's Manifest once this process has hashed its shards
         self.generation = -1
         self.coordinator_port: int | None = None  # set while this process is in a JAX world
         self._world_lock = threading.Lock()  # an abort must hit the world it was meant for
@@ -321,6 +327,7 @@ class Worker:
         ("failure" / "change"). Leaves the world before returning."""
         import jax
 
+        from resilient_jax import compile_cache
         from resilient_jax.elastic import transfer
         from resilient_jax.elastic import world as world_lib
         from resilient_jax.trainer import StepLoop, Trainer
@@ -337,7 +344,10 @@ class Worker:
         # An explicit --resume names where the invocation starts; a later world that must restore
         # from disk takes the newest checkpoint, which this run wrote itself.
         resume = self.resume if self.generation == 0 else None
-        trainer = Trainer(self.cfg, devices=jax.devices(), resume=resume, allow_config_change=self.allow_config_change)
+        # The dataset is hashed in full once per worker process; later worlds check its identity.
+        trainer = Trainer(self.cfg, devices=jax.devices(), resume=resume, allow_config_change=self.allow_config_change,
+                          verified_dataset=self.verified_dataset)
+        self.verified_dataset = trainer.manifest
         ckpt = trainer.checkpoints(generation=self.generation,
                                    regions={i: world["regions"][h] for i, h in enumerate(members)})
         try:
@@ -358,9 +368,10 @@ class Worker:
                          "own copy" if world["source"] == self.host else "from a peer, over the collective, not from disk")
                 start = world["resume_step"]
                 position = _position_from_dict(world["data_position"])
-            compile_from = time.perf_counter()
-            trainer.precompile(state)
-            self.totals.compile_seconds += time.perf_counter() - compile_from
+            compiled = compile_cache.timed_compile(lambda: trainer.precompile(state))
+            self.totals.compile_seconds += compiled.seconds
+            log.info("generation %d: compiled the step in %.2f s (%s)", self.generation, compiled.seconds,
+                     compiled.describe())
             world_lib.barrier(f"compiled-{self.generation}", timeout_seconds=300)
         except jax.errors.JaxRuntimeError as e:
             # A member died while this world was forming (the adoption broadcast or the barrier
@@ -368,7 +379,9 @@ class Worker:
             log.warning("forming generation %d failed: %s", self.generation, str(e).splitlines()[0][:200])
             self._leave(ckpt)
             return "failure"
-        loop = StepLoop(trainer, self._metrics(trainer, start), self.totals, ckpt, start_step=start, position=position)
+        metrics = self._metrics(trainer, start)
+        metrics.event({"event": "compile", "step": start, "generation": self.generation, **compiled.to_event()})
+        loop = StepLoop(trainer, metrics, self.totals, ckpt, start_step=start, position=position)
         try:
             return self._steps(trainer, loop, ckpt, state, start)
         finally:

@@ -1,0 +1,168 @@
+"""JAX's persistent compilation cache: where it lives, switching it on, and counting its hits.
+
+Why: a new world recompiles its step from scratch, because leaving a world clears the backends and
+with them JAX's in-memory caches -- that compile was nearly all of a recovery's time. The cache on
+disk survives `clear_backends`, so a world size this run (or any run sharing the directory) has
+compiled before is loaded instead of compiled. JAX writes entries atomically (temp file + rename),
+so the processes of one world, and several runs, may share a directory.
+
+Measured limit (jax 0.10.2, CPU, gloo, one process per host): the cache key hashes the compile
+options and the accelerator config, and both differ between the processes of one world, while
+only process 0 writes entries. So in a multi-process world only rank 0 loads its step from the
+cache; the other ranks compile (cpu-4host rerun: rank 0 7.3 s from the cache, ranks 1-3 50-54 s).
+Each worker logs its own line; the metrics.jsonl `compile` event is rank 0's.
+
+`runtime.compile_cache`: "auto" = <run.dir>/compile_cache; "" or "off" = no persistent cache; any
+other value = that directory (e.g. one shared by several runs). An unwritable directory is a
+warning, not an error: the run compiles as it would without the cache.
+
+Hits are counted from JAX's own monitoring events: `compile_requests_use_cache` (a compile that
+looked in the cache) and `cache_hits`; a miss is a request without a hit. (JAX's own
+`cache_misses` event is recorded only where an entry is written, and only process 0 of a world
+writes, so it cannot be counted on the other processes.)
+"""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+AUTO = "auto"
+DISABLED = ("", "off")
+SUBDIR = "compile_cache"  # under run.dir, for "auto"
+
+REQUEST_EVENT = "/jax/compilation_cache/compile_requests_use_cache"
+HIT_EVENT = "/jax/compilation_cache/cache_hits"
+
+
+def cache_dir(setting: str, run_dir: str) -> Path | None:
+    """The directory `runtime.compile_cache` names, or None when the cache is off."""
+    if setting in DISABLED:
+        return None
+    return Path(run_dir) / SUBDIR if setting == AUTO else Path(setting)
+
+
+def unwritable_reason(path: Path) -> str | None:
+    """Why nothing can be written under `path` (created if missing), or None if it can."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".probe-"):
+            pass
+    except OSError as e:
+        return e.strerror or type(e).__name__
+    return None
+
+
+def unwritable_warning(path: Path, reason: str) -> str:
+    return (f"warning: runtime.compile_cache: cannot write to {path} ({reason}); compiling without "
+            "a persistent cache (set runtime.compile_cache to a writable directory, or \"off\")")
+
+
+def check(setting: str, run_dir: str) -> str | None:
+    """The one-line warning for an unwritable cache directory, or None (fine, or off); for a
+    process that does not compile itself (the elastic driver) to warn on its console once."""
+    path = cache_dir(setting, run_dir)
+    reason = unwritable_reason(path) if path is not None else None
+    return unwritable_warning(path, reason) if reason else None
+
+
+@dataclass(frozen=True)
+class CacheSetup:
+    path: Path | None  # the directory in use; None: this process compiles uncached
+    warning: str | None = None  # set when the configured directory is not writable
+
+
+def enable(setting: str, run_dir: str) -> CacheSetup:
+    """Point this process's JAX at the cache directory; must run before the first compile.
+
+    Caches every program, however small or fast to compile (JAX's defaults skip programs that
+    compile in under a second, i.e. most of a small model's step). An unwritable directory leaves
+    JAX untouched and returns the warning for the caller to show once.
+    """
+    path = cache_dir(setting, run_dir)
+    if path is None:
+        return CacheSetup(None)
+    reason = unwritable_reason(path)
+    if reason is not None:
+        return CacheSetup(None, unwritable_warning(path, reason))
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    COUNTER.install()
+    return CacheSetup(path)
+
+
+class CacheCounter:
+    """This process's persistent-cache hits and misses, from JAX's monitoring events."""
+
+    def __init__(self):
+        self.requests = 0
+        self.hits = 0
+        self._lock = threading.Lock()  # compiles may run on several threads
+        self._installed = False
+
+    def install(self) -> None:
+        """Listen to JAX's events (once per process; JAX keeps listeners for the process's life)."""
+        with self._lock:
+            if self._installed:
+                return
+            self._installed = True
+        import jax
+
+        jax.monitoring.register_event_listener(self._on_event)
+
+    def _on_event(self, event: str, **kwargs) -> None:
+        if event == REQUEST_EVENT:
+            with self._lock:
+                self.requests += 1
+        elif event == HIT_EVENT:
+            with self._lock:
+                self.hits += 1
+
+    def snapshot(self) -> tuple[int, int]:
+        """(hits, misses) so far."""
+        with self._lock:
+            return self.hits, self.requests - self.hits
+
+
+COUNTER = CacheCounter()
+
+
+@dataclass(frozen=True)
+class CompileRecord:
+    """One compile phase: its seconds, and how many programs it loaded from the cache / compiled."""
+
+    seconds: float
+    cache_hits: int
+    cache_misses: int
+
+    @property
+    def cache_hit(self) -> bool:
+        """Every program this phase compiled came from the cache (False when it compiled none)."""
+        return self.cache_hits > 0 and self.cache_misses == 0
+
+    def describe(self) -> str:
+        if self.cache_hit:
+            return f"{self.cache_hits} programs from the compile cache"
+        if self.cache_misses:
+            return f"{self.cache_misses} programs compiled (not in the cache), {self.cache_hits} from the cache"
+        return "no persistent compile cache"
+
+    def to_event(self) -> dict:
+        return {"seconds": self.seconds, "cache_hit": self.cache_hit, "cache_hits": self.cache_hits,
+                "cache_misses": self.cache_misses}
+
+
+def timed_compile(compile_fn) -> CompileRecord:
+    """Run `compile_fn()` and say how long it took and what the cache did meanwhile."""
+    hits0, misses0 = COUNTER.snapshot()
+    t0 = time.perf_counter()
+    compile_fn()
+    seconds = time.perf_counter() - t0
+    hits1, misses1 = COUNTER.snapshot()
+    return CompileRecord(seconds, hits1 - hits0, misses1 - misses0)

@@ -1,0 +1,110 @@
+"""The persistent compilation cache (resilient_jax.compile_cache) and cheap dataset re-checks at
+later world formations (trainer.resolve_dataset with `verified`)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+from resilient_jax import compile_cache
+from resilient_jax.config import DataConfig, load_config
+from resilient_jax.data import DatasetError, prepare_dataset
+from resilient_jax.trainer import resolve_dataset
+
+from conftest import REPO, TINY
+
+
+def test_setting_names_the_directory(tmp_path):
+    assert compile_cache.cache_dir("auto", str(tmp_path)) == tmp_path / "compile_cache"
+    assert compile_cache.cache_dir("", str(tmp_path)) is None
+    assert compile_cache.cache_dir("off", str(tmp_path)) is None
+    assert compile_cache.cache_dir("/shared/xla", str(tmp_path)) == Path("/shared/xla")
+
+
+def test_a_relative_cache_dir_is_made_absolute_and_auto_keeps_its_meaning(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert load_config(TINY, ["runtime.compile_cache=shared/xla"]).runtime.compile_cache == str(tmp_path / "shared/xla")
+    assert load_config(TINY).runtime.compile_cache == "auto"
+    assert load_config(TINY, ["runtime.compile_cache=off"]).runtime.compile_cache == "off"
+
+
+def test_an_unwritable_cache_dir_is_one_warning_and_leaves_jax_uncached(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    before = jax.config.jax_compilation_cache_dir
+    setup = compile_cache.enable(str(blocker / "cache"), str(tmp_path))
+    assert setup.path is None
+    assert setup.warning.startswith("warning: runtime.compile_cache: cannot write to ")
+    assert str(blocker / "cache") in setup.warning and "\n" not in setup.warning
+    assert jax.config.jax_compilation_cache_dir == before  # JAX was not pointed at it
+    assert compile_cache.check(str(blocker / "cache"), str(tmp_path)) == setup.warning
+    assert compile_cache.check("auto", str(tmp_path)) is None  # run.dir/compile_cache is writable
+
+
+def test_the_counter_tells_hits_from_compiles():
+    counter = compile_cache.CacheCounter()
+    counter.install()
+    jax.monitoring.record_event(compile_cache.REQUEST_EVENT)  # a compile that looked and missed
+    jax.monitoring.record_event(compile_cache.REQUEST_EVENT)  # one that looked and hit
+    jax.monitoring.record_event(compile_cache.HIT_EVENT)
+    assert counter.snapshot() == (1, 1)
+    assert compile_cache.CompileRecord(0.1, 2, 0).cache_hit
+    assert not compile_cache.CompileRecord(0.1, 1, 1).cache_hit
+    assert not compile_cache.CompileRecord(0.1, 0, 0).cache_hit  # nothing looked in a cache
+
+
+def _dataset(tmp_path: Path) -> DataConfig:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    prepare_dataset(src, tmp_path / "ds", shards=3, seq_len=16)
+    return DataConfig(dataset=str(tmp_path / "ds"), src=str(src), shards=3, seq_len=16)
+
+
+def test_a_dataset_verified_once_is_only_identity_checked_later(tmp_path):
+    cfg = _dataset(tmp_path)
+    verified = resolve_dataset(cfg)
+    shard = verified.root / verified.shards[0].file
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF  # same size, other bytes: only a full hash sees it
+    shard.write_bytes(bytes(data))
+    assert resolve_dataset(cfg, verified).version == verified.version  # no re-hash
+    with pytest.raises(DatasetError):
+        resolve_dataset(cfg)  # a first verification hashes every shard
+    shard.write_bytes(bytes(data[:-1]))  # a size change is caught by the cheap check
+    with pytest.raises(DatasetError):
+        resolve_dataset(cfg, verified)
+
+
+_COMPILE_ONCE = """
+import json, sys
+import jax
+jax.config.update("jax_num_cpu_devices", 4)
+from resilient_jax import compile_cache
+setup = compile_cache.enable(sys.argv[1], sys.argv[2])
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+mesh = Mesh(jax.devices(), ("data",))
+x = jax.ShapeDtypeStruct((64, 32), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+grad = jax.jit(jax.grad(lambda w: jnp.sum(jnp.tanh(w) ** 2)))
+record = compile_cache.timed_compile(lambda: grad.lower(x).compile())
+print(json.dumps({"path": str(setup.path), **record.to_event()}))
+"""
+
+
+@pytest.mark.slow
+def test_a_second_process_loads_the_program_from_the_cache(tmp_path):
+    def compile_in_new_process() -> dict:
+        proc = subprocess.run([sys.executable, "-c", _COMPILE_ONCE, "auto", str(tmp_path)], capture_output=True,
+                              text=True, cwd=REPO, timeout=300, check=True)
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    first, second = compile_in_new_process(), compile_in_new_process()
+    assert first["path"] == str(tmp_path / "compile_cache")
+    assert first["cache_misses"] >= 1 and first["cache_hits"] == 0 and not first["cache_hit"]
+    assert second["cache_hit"] and second["cache_misses"] == 0
