@@ -46,6 +46,7 @@ class Invocation:
     compile_seconds: float = 0.0
     data_wait_seconds: float = 0.0
     tokens: int = 0  # tokens trained on, recomputed steps included
+    last_loss: float | None = None  # the loss of step `last_step`, if this invocation ran it
     ended: str | None = None  # None while running, or if it died without stopping cleanly
 
 
@@ -104,6 +105,7 @@ class RunHistory:
         entry.train_seconds += seconds
         entry.data_wait_seconds += data_wait
         entry.tokens += tokens
+        entry.last_loss = loss
         if step == 1:
             self.first_loss = loss
         self.save()
@@ -143,10 +145,22 @@ class RunHistory:
                            "steps_lost": 0, "restart": False, "at": first.started_at})
         return out
 
+    def final_loss(self) -> float | None:
+        """The loss of the run's newest completed step, whichever invocation ran it (a rerun of a
+        finished run runs no step, but its summary still names the run's final loss)."""
+        if not self.invocations:
+            return None
+        final_step = self.current.last_step
+        for entry in reversed(self.invocations):
+            if entry.last_step == final_step and entry.last_loss is not None:
+                return entry.last_loss
+        return None
+
     def totals(self) -> dict[str, Any]:
         resumes = self.resumes()
         return {
             "first_loss": self.first_loss,
+            "final_loss": self.final_loss(),
             "wall_seconds": sum(e.wall_seconds for e in self.invocations),
             "train_seconds": sum(e.train_seconds for e in self.invocations),
             "compile_seconds": sum(e.compile_seconds for e in self.invocations),

@@ -377,14 +377,13 @@ class Trainer:
         else:
             run = {"first_loss": totals.first_loss, "wall_seconds": wall, "train_seconds": totals.train_seconds,
                    "compile_seconds": totals.compile_seconds, "data_wait_seconds": totals.data_wait_seconds,
-                   "tokens": totals.tokens}
+                   "tokens": totals.tokens, "final_loss": totals.last_loss}
         tokens_per_second = run["tokens"] / run["train_seconds"] if run["train_seconds"] > 0 else None
         throughput = Throughput.of(self)
         flops_per_second = throughput.flops_per_token * tokens_per_second if tokens_per_second else None
         return {
             **run,
             "final_step": cfg.train.steps,
-            "final_loss": totals.last_loss,
             "invocation_wall_seconds": wall,
             "tokens_per_second": tokens_per_second,
             "flops_per_token": throughput.flops_per_token,

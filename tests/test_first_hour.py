@@ -215,7 +215,10 @@ def test_readme_first_command_on_a_fresh_copy_trains_then_resumes_at_once(tmp_pa
 
     second = subprocess.run(command, shell=True, cwd=copy, env=env, capture_output=True, text=True, timeout=300)
     assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-3000:]
-    assert read_summary(run_dir)["final_step"] == 200
+    rerun = read_summary(run_dir)
+    assert rerun["final_step"] == 200
+    # The summary still describes the whole run, not the invocation that ran nothing.
+    assert (rerun["first_loss"], rerun["final_loss"]) == (summary["first_loss"], summary["final_loss"])
     assert sorted(logged_steps(run_dir)) == steps_before  # it ran no step
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == checkpoints_before
     assert "Traceback" not in first.stderr + second.stderr

@@ -308,6 +308,8 @@ def test_run_history_counts_crashes_and_recomputed_steps_once(tmp_path):
     assert totals["restarts"] == 2 and totals["steps_lost"] == 33
     assert totals["first_loss"] == pytest.approx(9.9) and totals["tokens"] == 5 * (73 + 10 + 1)
     assert totals["train_seconds"] == pytest.approx(0.1 * 84)
+    # The last invocation ran no step: the run's final loss is still step 51's, from the one that ran it.
+    assert totals["final_loss"] == 1.0
     # A fresh start over a finished run begins a new history.
     history = RunHistory.load(tmp_path)
     history.begin(0)
