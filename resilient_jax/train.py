@@ -115,9 +115,7 @@ def _run(args: argparse.Namespace) -> int:
             summary = Trainer(cfg, resume=args.resume, allow_config_change=allow, stop_at=args.stop_at).run()
         except (DatasetError, CheckpointSaveError) as e:
             raise ConfigError(str(e)) from None
-    if summary.get("stopped") == INTERRUPTED:
-        print(f"stopped (interrupted) at step {summary['final_step']}; rerun the same command to continue",
-              file=sys.stderr)
+    if summary.get("stopped") == INTERRUPTED:  # the trainer's closing line said where it stopped
         return INTERRUPTED_EXIT
     if summary.get("stopped") == "preempted":
         return PREEMPTED_EXIT

@@ -352,6 +352,10 @@ class Trainer:
     @staticmethod
     def closing_line(summary: dict[str, Any]) -> str:
         stopped = summary.get("stopped")
+        if stopped in ("interrupted", "preempted"):
+            # A signal is a pause, not an end: one line that says how to go on (the figures are in
+            # summary.json).
+            return f"stopped ({stopped}) at step {summary['final_step']}; rerun the same command to continue"
         losses = (f"loss {summary['first_loss']:.4f} (step 1) -> {summary['final_loss']:.4f}"
                   if summary["first_loss"] is not None and summary["final_loss"] is not None else
                   "no steps left to run" if summary["final_loss"] is None else f"loss {summary['final_loss']:.4f}")

@@ -90,8 +90,9 @@ def test_ctrl_c_checkpoints_exits_130_and_the_rerun_is_bitwise(tmp_path, straigh
             proc.kill()
     assert proc.returncode == 130, f"interrupted at step {at}: exit {proc.returncode}\n{out[-2000:]}\n{err[-2000:]}"
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
-    notices = [line for line in err.splitlines() if line.startswith("stopped")]
-    assert len(notices) == 1 and INTERRUPTED_LINE.match(notices[0]), err
+    # One line says where it stopped and what to do (the run's other output is progress lines).
+    notices = [line for line in (out + err).splitlines() if line.startswith("stopped")]
+    assert len(notices) == 1 and INTERRUPTED_LINE.match(notices[0]), out[-2000:] + err
     stopped_at = int(INTERRUPTED_LINE.match(notices[0]).group(1))
     assert at < stopped_at < STEPS, (at, stopped_at)
     stopped = read_summary(run_dir)
@@ -103,7 +104,7 @@ def test_ctrl_c_checkpoints_exits_130_and_the_rerun_is_bitwise(tmp_path, straigh
     summary = read_summary(run_dir)
     assert summary["final_step"] == STEPS
     assert summary["params_fingerprint"] == straight["params_fingerprint"]
-    assert sorted(logged_steps(run_dir)) == list(range(STEPS))
+    assert sorted(logged_steps(run_dir)) == list(range(1, STEPS + 1))  # step k = k completed steps
 
 
 def test_a_second_ctrl_c_exits_at_once_and_corrupts_nothing(tmp_path, straight, env):
@@ -156,7 +157,7 @@ def test_a_second_run_into_a_busy_run_dir_exits_2_and_the_first_is_undisturbed(t
     assert first.returncode == 0, err[-3000:]
     summary = read_summary(run_dir)
     assert summary["final_step"] == STEPS and summary["params_fingerprint"] == straight["params_fingerprint"]
-    assert sorted(logged_steps(run_dir)) == list(range(STEPS))
+    assert sorted(logged_steps(run_dir)) == list(range(1, STEPS + 1))  # step k = k completed steps
     assert not (run_dir / "run.lock").exists()
 
 
