@@ -46,10 +46,18 @@ def cache_dir(setting: str, run_dir: str) -> Path | None:
 
 
 def unwritable_reason(path: Path) -> str | None:
-    """Why nothing can be written under `path` (created if missing), or None if it can."""
+    """Why nothing can be written under `path`, or None if it can.
+
+    Nothing is created: JAX makes the directory at the first compile, after start-up has checked
+    the run, so a run refused at start-up leaves no cache directory behind. A missing directory is
+    probed at its nearest existing ancestor (where it would be made)."""
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{probe} is not a directory"
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".probe-"):
+        with tempfile.NamedTemporaryFile(dir=probe, prefix=".probe-"):
             pass
     except OSError as e:
         return e.strerror or type(e).__name__
