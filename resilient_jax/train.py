@@ -92,6 +92,11 @@ def main(argv: list[str] | None = None) -> int:
         # divisibility, ...) all name the key or path in their one-line message.
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        # What the machine refused (a port in use, a directory without permission): its message
+        # names the file or address, which is what the user has to change.
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 def _run(args: argparse.Namespace) -> int:

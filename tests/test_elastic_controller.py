@@ -67,6 +67,18 @@ def test_a_silent_host_is_declared_dead_and_survivors_get_the_next_world(control
     assert event["lost"] == ["h1"] and event["steps_lost"] == 0
 
 
+def test_a_world_that_failed_while_forming_restores_from_disk_not_from_a_member_without_state(controller):
+    client = ControllerClient(controller.url, "s3cret")
+    for host in ("h0", "h1"):
+        client.call("/register", host=host, region="us", devices=2, config_hash="a" * 64)
+    # h1 died while generation 0 formed; h0 never held a state in memory (completed_step -1).
+    reply = client.call("/reform", host="h0", generation=0, completed_step=-1, data_position=None,
+                        reason="failure")
+    world = reply["world"]
+    assert world["generation"] == 1 and world["members"] == ["h0"]
+    assert world["source"] is None and world["resume_step"] == 0  # the newest checkpoint, not zeros
+
+
 def _heartbeat(client, host, generation=0, step=0, **kw):
     return client.call("/heartbeat", host=host, generation=generation, step=step, **kw)
 

@@ -595,7 +595,10 @@ class Controller:
         evicted = [change.host] if change is not None and change.host in live else []
         completed = {h: self.reform_requests[h]["completed_step"] for h in live}
         best = max(completed.values())  # steps completed: the new world resumes from the state after step `best`
-        source = min((h for h in live if completed[h] == best and h not in evicted), key=world.members.index)
+        # No live member holds state in memory (-1: the first world failed while forming): the next
+        # world restores from the newest checkpoint instead of adopting anyone's.
+        source = (None if best < 0 else
+                  min((h for h in live if completed[h] == best and h not in evicted), key=world.members.index))
         if lost:
             reason = "failure"
         elif evicted:
@@ -613,8 +616,9 @@ class Controller:
                     if self.members[h].status == "spare"][:wanted]
         for host in promoted:
             self.members[host].status = "registered"
-        self._form(reason=reason, resume_step=best, source=source,
-                   data_position=self.reform_requests[source]["data_position"], lost=lost, reslotted=evicted,
+        self._form(reason=reason, resume_step=max(best, 0), source=source,
+                   data_position=None if source is None else self.reform_requests[source]["data_position"],
+                   lost=lost, reslotted=evicted,
                    decision=change.record if change is not None else None)
 
     def _form(self, *, reason: str, resume_step: int, source: str | None, data_position: dict | None,

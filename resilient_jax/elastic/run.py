@@ -170,6 +170,7 @@ def _drive(cfg: Config, run_dir: Path, options: dict, history: RunHistory) -> di
                 summary = controller.wait_finished()
                 stop.waiting = False
             except _KillNow as e:
+                stop.waiting = False  # a further signal while we clean up must not unwind this handler
                 how = f"{e.reason} twice" if e.twice else f"{e.reason} before training started"
                 controller.fail(f"{how}: workers killed at once")
                 from resilient_jax.checkpoint import reader

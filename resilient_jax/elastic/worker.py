@@ -291,9 +291,11 @@ class Worker:
             if outcome == "finished":
                 return 0
             # Out of the old world (left in _train_in); tell the controller where we stand.
+            # -1: this host holds no state in memory (its first world failed while forming), so it
+            # must never be the source the next world adopts from.
+            held = self.kept.completed_step + 1 if self.kept.state is not None else -1
             self.client.call("/reform", retry_seconds=60, host=self.host, generation=self.generation,
-                             completed_step=self.kept.completed_step + 1, data_position=self.kept.data_position,
-                             reason=outcome)
+                             completed_step=held, data_position=self.kept.data_position, reason=outcome)
 
     def abort(self, generation: int) -> None:
         """The controller says a member of `generation` is dead: make our collectives fail now."""
@@ -364,7 +366,7 @@ class Worker:
                 template = self.kept.state if self.kept.state is not None else trainer.host_state_template()
                 source_rank = members.index(world["source"])
                 state = trainer.state_from_host(transfer.broadcast(template, is_source=rank == source_rank))
-                log.info("adopted state from %s after step %d (%s)", world["source"], world["resume_step"] - 1,
+                log.info("adopted state from %s after step %d (%s)", world["source"], world["resume_step"],
                          "own copy" if world["source"] == self.host else "from a peer, over the collective, not from disk")
                 start = world["resume_step"]
                 position = _position_from_dict(world["data_position"])
@@ -417,6 +419,9 @@ class Worker:
         first = True
         clock = self.heartbeat.clock
         total = self.cfg.train.steps
+        # The state this world starts from has `step` completed steps (restored from disk, or
+        # adopted): a failure in its first step must report that, not an older world's count.
+        self.kept.completed_step = step - 1
         self.heartbeat.step = step  # where this world starts (a resume from disk starts past 0)
         self._last_progress = None  # tokens/s windows do not span a re-formation
         try:
