@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from resilient_jax.checkpoint.commit import is_committed
+
 from conftest import REPO, TINY, read_summary, run_cli, tiny_config
 
 N = 10
@@ -92,7 +94,8 @@ def test_sigkill_after_the_step_n_checkpoint_then_resume_is_bitwise(tmp_path, st
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", *train_args(run_dir)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env)
-    _wait_for(lambda: (run_dir / "checkpoints" / str(N)).is_dir(), proc, "the step-10 checkpoint committed")
+    # The directory appears at orbax's rename; the step is a checkpoint once its commit files are written.
+    _wait_for(lambda: is_committed(run_dir / "checkpoints" / str(N)), proc, "the step-10 checkpoint committed")
     proc.send_signal(signal.SIGKILL)
     proc.communicate(timeout=60)
     assert not (run_dir / "summary.json").exists() and not (run_dir / "checkpoints" / "20").exists(), \
@@ -108,7 +111,8 @@ def test_sigterm_saves_then_resume_on_four_devices_records_the_topology(tmp_path
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", *train_args(run_dir)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env)
-    _wait_for(lambda: (run_dir / "checkpoints" / str(N)).is_dir(), proc, "the step-10 checkpoint committed")
+    # The directory appears at orbax's rename; the step is a checkpoint once its commit files are written.
+    _wait_for(lambda: is_committed(run_dir / "checkpoints" / str(N)), proc, "the step-10 checkpoint committed")
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
     if proc.returncode == 0:

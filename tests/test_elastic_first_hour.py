@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -144,11 +145,10 @@ def test_ctrl_c_stops_at_an_agreed_step_and_reruns_continue_to_the_fault_free_fi
 def test_a_failing_worker_is_named_with_its_error_and_log(tmp_path, default_dataset):
     """Every worker fails on a shard whose bytes changed (a real dataset problem): the driver's
     stderr says the first failure -- the worker, its error, its log -- not a host count."""
-    from resilient_jax.config import DataConfig
-    from resilient_jax.trainer import resolve_dataset
+    from resilient_jax.data.manifest import load_manifest
 
-    manifest = resolve_dataset(DataConfig(dataset=str(tmp_path / "data"), shards=16, seq_len=64))
-    shard = manifest.shard_path(3)
+    shutil.copytree(default_dataset.root, tmp_path / "data")  # a private copy to damage
+    shard = load_manifest(tmp_path / "data").shard_path(3)
     data = bytearray(shard.read_bytes())
     data[100] ^= 0xFF
     shard.write_bytes(bytes(data))

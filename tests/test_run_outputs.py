@@ -19,6 +19,7 @@ import jax
 import pytest
 
 from resilient_jax import flops
+from resilient_jax.checkpoint.commit import is_committed
 from resilient_jax.config import ModelConfig
 from resilient_jax.metrics import MetricsLog, StepWindow, describe, rewind_metrics
 from resilient_jax.run_history import RunHistory
@@ -161,7 +162,9 @@ def test_sigkill_counts_a_restart_and_the_steps_lost(tmp_path, default_dataset):
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
     try:
         deadline = time.monotonic() + 300
-        while not (run_dir / "metrics.jsonl").is_file() or max(logged_steps(run_dir), default=0) < OLDER + 3:
+        # Step 13 logged and the step-10 save committed (under load the async commit can lag steps).
+        while (not (run_dir / "metrics.jsonl").is_file() or max(logged_steps(run_dir), default=0) < OLDER + 3
+               or not is_committed(run_dir / "checkpoints" / str(OLDER))):
             assert proc.poll() is None, f"the run exited ({proc.returncode}) before step {OLDER + 3}"
             assert time.monotonic() < deadline, "timed out waiting for step 13"
             time.sleep(0.02)
