@@ -306,7 +306,12 @@ class Config:
     faults: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The config as recorded (config.json, the checkpoint's config field, the config hash), with
+        the control-channel secret left out: it is an operational credential, not part of what the
+        run computes, and those files are readable by others (the token lives in a 0600 file)."""
+        out = dataclasses.asdict(self)
+        out["runtime"]["token"] = ""
+        return out
 
     @property
     def hash(self) -> str:

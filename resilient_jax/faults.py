@@ -33,6 +33,11 @@ _SPECS = {
                   "slow_host:HOST@STEP:FACTOR"),
 }
 
+# Faults whose target is a host index (hN), checked against the run's host plan.
+HOST_TARGETED = ("kill_host", "hang_host", "delay_host", "slow_host")
+# Faults that a worker fires on itself or the controller acts on: they need an elastic run.
+ELASTIC_ONLY = (*HOST_TARGETED, "kill_region", "join_host")
+
 
 @dataclass(frozen=True)
 class Fault:

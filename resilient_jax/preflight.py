@@ -17,10 +17,7 @@ import tempfile
 from pathlib import Path
 
 from resilient_jax.config import Config, ConfigError
-from resilient_jax.faults import Fault, parse_faults
-
-# Faults a worker process fires on itself or the controller acts on: they need an elastic run.
-HOST_FAULTS = ("kill_host", "kill_region", "hang_host", "join_host", "delay_host", "slow_host")
+from resilient_jax.faults import ELASTIC_ONLY, Fault, parse_faults
 
 
 def check_run(cfg: Config) -> None:
@@ -48,7 +45,7 @@ def check_faults(cfg: Config, faults: list[Fault]) -> None:
         if fault.step >= steps:
             raise ConfigError(f"fault {fault}: step {fault.step} is past the run's last step {steps - 1} "
                               f"(train.steps {steps}), so it can never fire")
-        if fault.kind in HOST_FAULTS and not regions:
+        if fault.kind in ELASTIC_ONLY and not regions:
             raise ConfigError(f"fault {fault}: {fault.kind} needs an elastic run (topology.regions); this "
                               "config trains in one process, so it can never fire")
         if fault.kind == "kill_region" and fault.target not in regions:

@@ -77,6 +77,18 @@ def test_bad_input_is_one_line_exit_2_nothing_written(workdir, capsys, extra, ex
     assert tree(workdir) == before  # nothing written, the file and the dir untouched
 
 
+@pytest.mark.parametrize("fault, expected", [
+    ("kill_region:mars@5", "fault kill_region:mars@5: no region named 'mars'"),
+    ("kill_host:9@5", "fault kill_host:9@5: host 9 does not exist (hosts 0..3)"),
+])
+def test_an_elastic_fault_aimed_at_nothing_is_one_line_before_any_host_starts(workdir, capsys, fault, expected):
+    code = train.main(["--config", str(REPO / "configs" / "cpu-4host.yaml"), "--set", "run.dir=runs/e", "--fault", fault])
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith(f"error: {expected}"), err
+    assert not (workdir / "runs" / "e" / "elastic").exists()  # no controller, no worker
+
+
 def test_missing_dataset_line_says_how_to_build_it(workdir, capsys):
     assert train.main(["--config", str(TINY), "--set", "data.dataset=data/stdlib"]) == 2
     line = capsys.readouterr().err.strip()

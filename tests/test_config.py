@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from resilient_jax.config import Config, ConfigError, config_hash, diff_keys, load_config
@@ -58,6 +60,13 @@ def test_hash_is_sha256_of_canonical_json():
     cfg = Config()
     expected = hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True, separators=(",", ":")).encode()).hexdigest()
     assert cfg.hash == expected
+
+
+def test_the_control_channel_token_is_never_recorded():
+    with_token = load_config(None, ["runtime.token=s3cret-value"])
+    assert with_token.runtime.token == "s3cret-value"  # the controller still gets it
+    assert "s3cret-value" not in json.dumps(with_token.to_dict())
+    assert with_token.hash == load_config(None, []).hash
 
 
 def test_diff_keys_names_changed_keys():

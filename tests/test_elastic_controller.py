@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
@@ -32,6 +33,31 @@ def test_wrong_token_is_refused_and_the_run_is_not_disturbed(controller):
     assert "h9" not in controller.members
     good = ControllerClient(controller.url, "s3cret")
     assert good.call("/register", host="h0", region="us", devices=2, config_hash="a" * 64)["accepted"]
+
+
+def test_a_silent_or_malformed_client_is_dropped_and_the_run_is_served(tmp_path, monkeypatch):
+    from resilient_jax.elastic import channel
+
+    monkeypatch.setattr(channel, "REQUEST_SECONDS", 0.5)
+    ctl = Controller(config_hash="a" * 64, expected_hosts=1, run_dir=tmp_path, token="s3cret")
+    host, port = ctl.url.removeprefix("http://").split(":")
+    try:
+        silent = socket.create_connection((host, int(port)))  # promises a body and never sends it
+        silent.sendall(b"POST /register HTTP/1.1\r\nAuthorization: Bearer s3cret\r\nContent-Length: 100\r\n\r\n{")
+        silent.settimeout(10)
+        started = time.monotonic()
+        assert silent.recv(1) == b""  # closed by the server, well before our own 10 s
+        assert time.monotonic() - started < 5
+        silent.close()
+        with socket.create_connection((host, int(port))) as not_json:  # a body that is not JSON: a 400
+            not_json.sendall(b"POST /heartbeat HTTP/1.1\r\nAuthorization: Bearer s3cret\r\n"
+                             b"Content-Length: 8\r\n\r\nnot json")
+            not_json.settimeout(10)
+            assert not_json.recv(64).startswith(b"HTTP/1.0 400")
+        good = ControllerClient(ctl.url, "s3cret")
+        assert good.call("/register", host="h0", region="us", devices=2, config_hash="a" * 64)["accepted"]
+    finally:
+        ctl.close()
 
 
 def test_other_config_hash_is_refused_with_both_hashes_named(controller):

@@ -237,9 +237,13 @@ def test_drain_cli_verifies_the_controller_with_the_run_ca(tmp_path, controller,
 def test_cpu4host_elastic_run_over_tls_auto_to_the_end(tmp_path):
     proc = run_cli("resilient_jax.train", "--config", str(CPU4), "--set", f"run.dir={tmp_path}",
                    "--set", "train.steps=12", "--set", "runtime.tls=auto", "--set", "checkpoint.enabled=false",
-                   timeout=600)
+                   "--set", "runtime.token=e2e-secret-7f3a", timeout=600)
     logs = "\n".join(p.read_text()[-1500:] for p in sorted((tmp_path / "elastic" / "logs").glob("*.log")))
     assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}\n{logs}"
     assert "controller https://127.0.0.1:" in proc.stdout + proc.stderr
     summary = read_summary(tmp_path)
     assert summary["final_step"] == 12 and summary["restarts"] == 0
+    # The token is written once, to a file only this user can read; no config copy records it.
+    holders = [p for p in tmp_path.rglob("*") if p.is_file() and b"e2e-secret-7f3a" in p.read_bytes()]
+    assert holders == [tmp_path / "elastic" / "token"]
+    assert (tmp_path / "elastic" / "token").stat().st_mode & 0o077 == 0

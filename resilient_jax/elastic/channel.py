@@ -81,6 +81,10 @@ def free_port(bind: str = "127.0.0.1") -> int:
 
 
 HANDSHAKE_SECONDS = 10.0  # a client that connects and says nothing is dropped after this
+# A connection that stops mid-request (after the handshake, or on plaintext loopback) is dropped
+# after this, so silent or trickling clients cannot pile up handler threads.
+REQUEST_SECONDS = 30.0
+MAX_BODY_BYTES = 8 << 20  # control messages are small; a larger body is refused unread
 
 
 def serve(target: Any, bind: str, port: int, token: str,
@@ -88,6 +92,8 @@ def serve(target: Any, bind: str, port: int, token: str,
     """Serve `target`'s handler methods (see ROUTES) on a background thread; over TLS with `tls`."""
 
     class Handler(BaseHTTPRequestHandler):
+        timeout = REQUEST_SECONDS  # socketserver applies it to the connection in setup()
+
         def _handle(self, method: str) -> None:
             name = ROUTES.get((method, self.path.split("?")[0]))
             if name is None:
@@ -96,12 +102,22 @@ def serve(target: Any, bind: str, port: int, token: str,
                 return self._reply(401, {"error": "wrong or missing token: pass the run's runtime.token"})
             try:
                 length = int(self.headers.get("Content-Length") or 0)
-                body = json.loads(self.rfile.read(length) or b"{}") if length else {}
+                if length > MAX_BODY_BYTES:
+                    self.close_connection = True
+                    return self._reply(413, {"error": f"request body of {length} bytes (at most {MAX_BODY_BYTES})"})
+                try:
+                    raw = self.rfile.read(length) if length else b""
+                except OSError:  # a client that went silent mid-body (REQUEST_SECONDS) or vanished
+                    self.close_connection = True
+                    return None
+                body = json.loads(raw) if raw else {}
+                if not isinstance(body, dict):
+                    raise ValueError("not a JSON object")
                 result = getattr(target, name)(**body)
                 self._reply(200, result)
             except Refused as e:
                 self._reply(e.code, {"error": e.message})
-            except TypeError as e:
+            except (TypeError, ValueError) as e:  # unknown fields, a body that is not a JSON object
                 self._reply(400, {"error": f"bad request to {self.path}: {e}"})
 
         def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
