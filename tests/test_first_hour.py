@@ -77,17 +77,25 @@ def rerun(run_dir: Path, env) -> subprocess.CompletedProcess:
     return subprocess.run(train_cmd(run_dir), capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
 
 
-def test_ctrl_c_checkpoints_exits_130_and_the_rerun_is_bitwise(tmp_path, straight, env):
-    run_dir = tmp_path / "run"
-    at = random.Random().randint(2, STEPS - 5)  # a different step boundary each run of the suite
+def interrupt_after(run_dir, env, step: int, ctrl_c: int):
+    """Starts the run, and once `step` is logged sends `ctrl_c` SIGINTs 10 ms apart: (proc, out, err)."""
     proc = start(run_dir, env)
     try:
-        wait_for(lambda: at in logged_steps(run_dir), proc, f"step {at} was logged")
-        proc.send_signal(signal.SIGINT)
+        wait_for(lambda: step in logged_steps(run_dir), proc, f"step {step} was logged")
+        for i in range(ctrl_c):
+            time.sleep(0.01 if i else 0)
+            proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
+    return proc, out, err
+
+
+def test_ctrl_c_checkpoints_exits_130_and_the_rerun_is_bitwise(tmp_path, straight, env):
+    run_dir = tmp_path / "run"
+    at = random.Random().randint(2, STEPS - 5)  # a different step boundary each run of the suite
+    proc, out, err = interrupt_after(run_dir, env, at, ctrl_c=1)
     assert proc.returncode == 130, f"interrupted at step {at}: exit {proc.returncode}\n{out[-2000:]}\n{err[-2000:]}"
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
     # One line says where it stopped and what to do (the run's other output is progress lines).
@@ -117,16 +125,7 @@ def test_a_second_ctrl_c_exits_at_once_and_corrupts_nothing(tmp_path, straight, 
     from resilient_jax.checkpoint import reader
 
     run_dir = tmp_path / "run"
-    proc = start(run_dir, env)
-    try:
-        wait_for(lambda: 12 in logged_steps(run_dir), proc, "step 12 was logged")
-        proc.send_signal(signal.SIGINT)
-        time.sleep(0.01)
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    proc, out, err = interrupt_after(run_dir, env, 12, ctrl_c=2)
     assert proc.returncode == 130, f"exit {proc.returncode}\n{out[-2000:]}\n{err[-2000:]}"
     assert "Traceback" not in err, err
     root = run_dir / "checkpoints"

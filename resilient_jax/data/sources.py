@@ -146,10 +146,11 @@ def _read_parquet(root: Path, text_field: str) -> Iterator[Document]:
             pf = pq.ParquetFile(path)
         except Exception as e:  # pyarrow's ArrowInvalid and friends
             raise DatasetError(f"{path}: not a readable parquet file ({e})") from None
-        batches = (batch for group in range(pf.num_row_groups)  # one row group in memory at a time
-                   for batch in pf.iter_batches(batch_size=_PARQUET_BATCH_ROWS, row_groups=[group],
-                                                columns=[text_field]))
-        yield from _arrow_docs(path, pf.schema_arrow.names, batches, text_field)
+        with pf:  # closed also when the consumer stops early (a size cap, an error downstream)
+            batches = (batch for group in range(pf.num_row_groups)  # one row group in memory at a time
+                       for batch in pf.iter_batches(batch_size=_PARQUET_BATCH_ROWS, row_groups=[group],
+                                                    columns=[text_field]))
+            yield from _arrow_docs(path, pf.schema_arrow.names, batches, text_field)
 
 
 def _read_hf_dir(root: Path, text_field: str) -> Iterator[Document]:
@@ -165,7 +166,8 @@ def _read_hf_dir(root: Path, text_field: str) -> Iterator[Document]:
             reader = ipc.open_stream(path)
         except Exception as e:
             raise DatasetError(f"{path}: not a readable Arrow stream file ({e})") from None
-        yield from _arrow_docs(path, reader.schema.names, reader, text_field)
+        with reader:
+            yield from _arrow_docs(path, reader.schema.names, reader, text_field)
 
 
 def _arrow_docs(path: Path, columns: list[str], batches, text_field: str) -> Iterator[Document]:
