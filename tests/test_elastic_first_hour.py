@@ -2,8 +2,9 @@
 resume, a worker that fails. Real driver and worker processes on 127.0.0.1, real signals.
 
 One run carries most assertions (each invocation of cpu-4host costs a minute or more on 2 cores):
-Ctrl-C -> rerun with a changed key (refused) -> rerun, Ctrl-C twice (workers killed) -> rerun
-with the change allowed, which must end on the fault-free fingerprint.
+Ctrl-C -> rerun with a changed key (refused) -> rerun, Ctrl-C twice (workers killed) -> rerun,
+SIGTERM to every process (a cluster-wide preemption) -> rerun with the change allowed, which must
+end on the fault-free fingerprint.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from conftest import REPO, read_summary, run_cli, tiny_config
 
 pytestmark = pytest.mark.slow
 
-STEPS = 30
+STEPS = 40
 CPU4 = str(REPO / "configs" / "cpu-4host.yaml")
 # absl / XLA / gloo lines (e.g. "W1201 08:32:10.167040 ... coordination_service.cc:185] ...").
 NATIVE = re.compile(r"^[IWEF]\d{4} |coordination_service|gloo", re.M)
@@ -48,9 +49,11 @@ def train_args(run_dir, *extra: str) -> list[str]:
             "--set", "train.log_every=5", "--set", "checkpoint.every_steps=5", *extra]
 
 
-def interrupt(tmp_path, name: str, args: list[str], *, after_step: int, times: int) -> tuple[int, str, str]:
+def interrupt(tmp_path, name: str, args: list[str], *, after_step: int, times: int,
+              signum: int = signal.SIGINT) -> tuple[int, str, str]:
     """Start the driver in its own process group, wait for the progress line of `after_step` or
-    later, then press Ctrl-C `times` times: SIGINT to the whole group, as a terminal does."""
+    later, then send `signum` `times` times to the whole group (driver and workers): SIGINT is a
+    terminal's Ctrl-C, SIGTERM a scheduler preempting every process of the job."""
     out, err = tmp_path / f"{name}.out", tmp_path / f"{name}.err"
     with open(out, "w") as o, open(err, "w") as e:
         proc = subprocess.Popen([sys.executable, "-m", *args], cwd=REPO, stdout=o, stderr=e, start_new_session=True)
@@ -61,7 +64,7 @@ def interrupt(tmp_path, name: str, args: list[str], *, after_step: int, times: i
             assert time.monotonic() < deadline, f"no progress line of step {after_step}:\n{out.read_text()}"
             time.sleep(0.2)
         for _ in range(times):
-            os.killpg(proc.pid, signal.SIGINT)
+            os.killpg(proc.pid, signum)
             time.sleep(0.1)
         code = proc.wait(timeout=300)
     finally:
@@ -117,10 +120,25 @@ def test_ctrl_c_stops_at_an_agreed_step_and_reruns_continue_to_the_fault_free_fi
     killed_at = max(int(s) for s in PROGRESS.findall(out))
     newest = reader.list_steps(run_dir / "checkpoints")[-1]
 
-    # 4. With the change allowed, the run continues from the newest committed checkpoint to the end.
+    # 4. A cluster-wide preemption: SIGTERM to the driver and every worker at once. One checkpoint,
+    #    at one agreed step, committed by all four hosts; exit 143.
+    code, out, err = interrupt(tmp_path, "fourth", train_args(run_dir), after_step=newest + 3, times=1,
+                               signum=signal.SIGTERM)
+    assert code == 143, out + err
+    assert f"generation 0 resumes from the checkpoint of step {newest}" in out
+    (preempted,) = re.findall(r"^stopped \(preempted\) at step (\d+); rerun the same command to continue$", out, re.M)
+    preempted = int(preempted)
+    assert newest < preempted < STEPS
+    assert "Traceback" not in out + err and not NATIVE.search(out + err), out + err
+    assert reader.list_steps(run_dir / "checkpoints")[-1] == preempted
+    assert sorted(p.name for p in (run_dir / "checkpoints" / str(preempted) / "commit").iterdir()) == [
+        f"process_{i}.json" for i in range(4)]
+    assert read_summary(run_dir)["stopped"] == "preempted"
+
+    # 5. With the change allowed, the run continues from the newest committed checkpoint to the end.
     final = run_cli(*train_args(run_dir, *HARMLESS_CHANGE, "--allow-config-change", "faults"), timeout=600)
     assert final.returncode == 0, final.stdout + final.stderr
-    assert f"resumes from the checkpoint of step {newest}" in final.stdout
+    assert f"resumes from the checkpoint of step {preempted}" in final.stdout
     assert "config changed (allowed): faults" in final.stdout
     assert not NATIVE.search(final.stdout + final.stderr)
     summary = read_summary(run_dir)
@@ -132,12 +150,13 @@ def test_ctrl_c_stops_at_an_agreed_step_and_reruns_continue_to_the_fault_free_fi
     assert tensorboard_steps(run_dir) == sorted(set(tensorboard_steps(run_dir)))
     # What happened, counted: the clean stop is no restart, the kill is one; its lost steps counted.
     resumes = summary["resumed_from"]
-    assert [(r["step"], r["reason"]) for r in resumes] == [(stop, "interrupted"), (newest, "crash")]
+    assert [(r["step"], r["reason"]) for r in resumes] == [
+        (stop, "interrupted"), (newest, "crash"), (preempted, "preempted")]
     # The kill came at least at the last progress line (steps are logged every 5).
     assert summary["restarts"] == 1 and summary["steps_lost"] == resumes[1]["steps_lost"]
     assert killed_at - newest <= resumes[1]["steps_lost"] <= killed_at + 5 - newest
     (start,) = summary["events"]
-    assert start["generation"] == 0 and start["resume_step"] == newest and start["from_checkpoint"]
+    assert start["generation"] == 0 and start["resume_step"] == preempted and start["from_checkpoint"]
     status = run_cli("resilient_jax.elastic", "status", "--run", str(run_dir), check=True).stdout
     assert status.startswith(f"the run is over: finished at step {STEPS}")
 
