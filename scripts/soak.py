@@ -5,9 +5,10 @@
 Draws N faults at random steps and hosts from the seed (`draw_schedule`, a pure function):
 host kills, a region loss, hangs, latency spikes, persistent slow hosts, NaN data shards and
 cluster-wide preemptions (SIGTERM to the driver and every worker at once, then the same command
-again). Hosts are a budget: a kill, hang, slow host or region loss takes hosts away, `join_host`
-events (not counted as faults) bring capacity back, and no draw leaves fewer than two hosts
-or targets a host that is already gone. Then it runs the schedule and checks what the product
+again). Hosts are a budget: a kill, hang, slow host or region loss takes hosts away (a
+preemption's rerun brings the plan back), no draw leaves fewer than two of the plan's hosts or
+targets a host that is already gone, and one `join_host` (not counted as a fault) exercises growth
+at the lowest point. Then it runs the schedule and checks what the product
 promises:
 
   restarts 0        (a preemption is a stop and a resume, not a restart)
@@ -75,7 +76,7 @@ def draw_schedule(seed: int, count: int, steps: int, regions: dict[str, list[int
     alive, joined, lost_regions, poisoned, slowed = set(plan_alive), 0, set(), set(), set()
     schedule = Schedule()
     for step in at:
-        kinds = [k for k in FAULT_CLASSES if _possible(k, alive, joined, regions, lost_regions, poisoned, shards)]
+        kinds = [k for k in FAULT_CLASSES if _possible(k, alive, regions, lost_regions, poisoned, shards)]
         kind = rng.choices(kinds, weights=[WEIGHTS[k] for k in kinds])[0]
         if kind == "kill_region":
             name = rng.choice([r for r in regions if r not in lost_regions and set(regions[r]) <= alive])
@@ -102,20 +103,21 @@ def draw_schedule(seed: int, count: int, steps: int, regions: dict[str, list[int
             continue
         schedule.faults.append(spec)
         schedule.drawn.append((step, spec))
-        if len(alive) + joined < MIN_HOSTS + 1 and step + 2 < steps:
-            schedule.faults.append(f"join_host@{step + 2}")  # capacity back before the next draw
+        if len(alive) == MIN_HOSTS and not joined and step + 2 < steps:
+            schedule.faults.append(f"join_host@{step + 2}")  # growth is exercised once, at the lowest point
             joined += 1
     return schedule
 
 
-def _possible(kind, alive, joined, regions, lost_regions, poisoned, shards) -> bool:
+def _possible(kind, alive, regions, lost_regions, poisoned, shards) -> bool:
     destroys = {"kill_host": 1, "hang_host": 1, "slow_host": 1}.get(kind, 0)
     if kind == "kill_region":
         whole = [r for r in regions if r not in lost_regions and set(regions[r]) <= alive]
         if not whole:
             return False
         destroys = max(len(regions[r]) for r in whole)
-    if destroys and len(alive) + joined - destroys < MIN_HOSTS:
+    # Joined hosts are not counted: a newcomer may still be compiling when the next fault fires.
+    if destroys and len(alive) - destroys < MIN_HOSTS:
         return False
     if kind == "nan_shard":
         return len(poisoned) < shards // 4  # most of the data stays
