@@ -95,7 +95,11 @@ def make_model_def(cfg: ModelConfig, import_dir: str = "") -> ModelDef:
     args = models.factory_args(cfg)
 
     def build(rngs: nnx.Rngs) -> nnx.Module:
-        return factory(dict(args), rngs)
+        module = factory(dict(args), rngs)
+        if not isinstance(module, nnx.Module):
+            raise ConfigError(f"config key model.factory: {cfg.factory} must return a flax.nnx.Module, "
+                              f"got {type(module).__name__}")
+        return module
 
     try:
         abstract = nnx.eval_shape(lambda: _build_model(build, 0))
@@ -104,9 +108,6 @@ def make_model_def(cfg: ModelConfig, import_dir: str = "") -> ModelDef:
             raise
         raise ConfigError(f"config key model.factory: {cfg.factory}(model.args={args}, rngs) raised "
                           f"{type(e).__name__}: {e}") from None
-    if not isinstance(abstract, nnx.Module):
-        raise ConfigError(f"config key model.factory: {cfg.factory} must return a flax.nnx.Module, "
-                          f"got {type(abstract).__name__}")
     graphdef, state = nnx.split(abstract, nnx.Param)
     specs = nnx.to_pure_dict(nnx.get_partition_spec(state))
     logical = jax.tree.map(tuple, specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
@@ -133,6 +134,11 @@ def _check_logical_axes(factory: str, abstract_params, logical) -> None:
             raise ConfigError(
                 f"config key model.factory: param {where} has logical axis {unknown[0]!r}, which no rule maps; "
                 f"use one of resilient_jax.mesh.LOGICAL_RULES ({rules}) or None")
+        mesh_axes = [mesh_lib.LOGICAL_RULES[n] for n in names if n is not None and mesh_lib.LOGICAL_RULES[n]]
+        if len(set(mesh_axes)) != len(mesh_axes):
+            raise ConfigError(
+                f"config key model.factory: param {where} has logical axes {names}, which put one mesh axis on "
+                f"two dims (rules: {rules}); name one of those dims None")
 
 
 def state_shardings(model_def: ModelDef, tx: optax.GradientTransformation, mesh) -> TrainState:
