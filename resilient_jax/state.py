@@ -55,7 +55,8 @@ class ModelDef:
 
     def check_output(self, seq_len: int, vocab_size: int) -> None:
         """Refuse (one ConfigError line) a model whose logits are not float [B, seq_len, >= vocab_size]."""
-        abstract_params = jax.eval_shape(self.init_params, jax.random.key(0))
+        # The key is made inside the trace: nothing runs (or compiles) on a device.
+        abstract_params = jax.eval_shape(lambda: self.init_params(jax.random.key(0)))
         tokens = jax.ShapeDtypeStruct((2, seq_len), jnp.int32)
         out = jax.eval_shape(self.forward, abstract_params, tokens)
         shape, dtype = getattr(out, "shape", None), getattr(out, "dtype", None)
