@@ -52,6 +52,13 @@ def same_mesh_axis_twice(args, rngs):
     return Bigram(args["vocab"], ("vocab", "mlp"), rngs=rngs)
 
 
+def doubled_loss(logits_BxLxV, targets_BxL, weights_BxL, *, key):
+    from resilient_jax.losses import next_token_cross_entropy
+
+    assert key is not None  # a loss of your own gets its key
+    return 2.0 * next_token_cross_entropy(logits_BxLxV, targets_BxL, weights_BxL, key=None)
+
+
 def not_a_module(args, rngs):
     return "a string"
 
@@ -176,3 +183,20 @@ def test_the_example_gru_passes_the_checks():
     model_def.check_output(seq_len=8, vocab_size=256)
     assert not model_def.builtin
     assert dataclasses.asdict(cfg.model)["args"]["d_hidden"] == 64
+
+
+def test_the_public_api_trains_a_user_model_and_loss_whose_checkpoint_reads_back(user_dir, tmp_path,
+                                                                               default_dataset):
+    import resilient_jax
+    from resilient_jax.checkpoint import reader
+
+    from conftest import TINY
+
+    common = [f"task.import_dir={user_dir}", "model.factory=h13_user_models:good", "model.args={vocab: 256}",
+              "train.steps=2", "run.progress=quiet"]
+    plain = resilient_jax.run(TINY, [*common, f"run.dir={tmp_path / 'plain'}"], devices=jax.devices()[:8])
+    doubled = resilient_jax.run(TINY, [*common, f"run.dir={tmp_path / 'doubled'}",
+                                         "task.loss=h13_user_models:doubled_loss"], devices=jax.devices()[:8])
+    assert doubled["first_loss"] == pytest.approx(2 * plain["first_loss"], rel=1e-6)
+    weights = reader.load(tmp_path / "plain" / "checkpoints" / "2").weights
+    assert resilient_jax.fingerprint(weights) == plain["params_fingerprint"]
