@@ -33,9 +33,23 @@ class ConfigError(ValueError):
     """A config problem the user can fix; the message is one line naming the key or file."""
 
 
+BUILTIN_MODEL = "resilient_jax.models:transformer"
+DEFAULT_LOSS = "resilient_jax.losses:next_token_cross_entropy"
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """Decoder-only transformer shape. Byte-level data needs vocab_size >= 256."""
+    """The model: a factory and its arguments. The built-in decoder-only transformer's arguments are
+    the other model.* keys (byte-level data needs vocab_size >= 256); a factory of your own gets
+    model.args instead (see resilient_jax.models for the protocol)."""
+
+    # "package.module:build", called as build(args: dict, rngs: flax.nnx.Rngs) -> nnx.Module whose
+    # __call__(tokens_BxL, *, dropout_key=None) returns logits [B, L, vocab]; imported with
+    # task.import_dir first on the Python path.
+    factory: str = BUILTIN_MODEL
+    # The arguments of a factory of your own (free-form, part of the config hash); must be empty
+    # for the built-in transformer, whose arguments are the model.* keys below.
+    args: dict[str, Any] = field(default_factory=dict)
 
     # Token ids are 0..vocab_size-1; at least the dataset's vocabulary.
     vocab_size: int = 256
@@ -65,6 +79,18 @@ class ModelConfig:
     # fingerprint on all of 8x1 4x1 2x1 1x1 4x2 2x4 1x8; dot_product one on the multi-device
     # layouts and another on 1 device -- so explicit is the default.
     attention: Literal["explicit", "dot_product"] = "explicit"
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    """What is learned from the model's logits; see resilient_jax.losses for the loss protocol."""
+
+    # "package.module:fn", called as fn(logits_BxLxV, targets_BxL, weights_BxL, *, key) -> [B]
+    # per-row sums of weighted token losses; the default is next-token cross-entropy.
+    loss: str = DEFAULT_LOSS
+    # Put first on the Python path while model.factory and task.loss are imported; "" = the
+    # directory of the config file (none for a config built in Python). Made absolute at load.
+    import_dir: str = ""
 
 
 @dataclass(frozen=True)
@@ -294,6 +320,7 @@ class Config:
     """A whole run: one field per section."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -427,7 +454,7 @@ RANGES: dict[str, Bound] = {
 # Text keys whose value "off" YAML would otherwise turn into false.
 OFF_SWITCH_KEYS = ("runtime.compile_cache",)
 
-PATH_KEYS = ("run.dir", "checkpoint.dir", "data.dataset", "data.src", "runtime.compile_cache")
+PATH_KEYS = ("run.dir", "checkpoint.dir", "data.dataset", "data.src", "runtime.compile_cache", "task.import_dir")
 
 
 def config_hash(cfg: Config) -> str:
@@ -445,7 +472,12 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     for item in overrides:
         key, value = _parse_override(item)
         _set_dotted(raw, key, value)
-    return resolve_paths(from_dict(raw))
+    cfg = from_dict(raw)
+    if path is not None and not cfg.task.import_dir:
+        # A plug-in file next to the config is importable from any current directory (and by
+        # elastic workers, which receive this resolved config).
+        cfg = dataclasses.replace(cfg, task=dataclasses.replace(cfg.task, import_dir=str(Path(path).parent)))
+    return resolve_paths(cfg)
 
 
 def absolute_path(path: str) -> str:
@@ -465,13 +497,18 @@ def resolve_paths(cfg: Config) -> Config:
         checkpoint=dataclasses.replace(cfg.checkpoint, dir=fix(cfg.checkpoint.dir)),
         data=dataclasses.replace(cfg.data, dataset=fix(cfg.data.dataset), src=fix(cfg.data.src)),
         runtime=dataclasses.replace(cfg.runtime, compile_cache=fix(cfg.runtime.compile_cache, ("", "auto", "off"))),
+        task=dataclasses.replace(cfg.task, import_dir=fix(cfg.task.import_dir, ("",))),
     )
 
 
 def from_dict(raw: dict[str, Any]) -> Config:
     if not isinstance(raw, dict):
         raise ConfigError("config: the top level must be a mapping of sections")
-    return _build(Config, raw, prefix="")
+    cfg = _build(Config, raw, prefix="")
+    if cfg.model.args and cfg.model.factory == BUILTIN_MODEL:
+        raise ConfigError(f"config key model.args: the built-in model ({BUILTIN_MODEL}) takes the model.* keys "
+                          "(model.d_model, model.n_layers, ...); model.args is for a model.factory of your own")
+    return cfg
 
 
 def diff_keys(a: Config | dict, b: Config | dict) -> list[str]:
@@ -569,6 +606,17 @@ def _coerce(value: Any, typ: Any, key: str) -> Any:
         choices = typing.get_args(typ)
         if value not in choices:
             raise ConfigError(f"config key {key}: expected one of {', '.join(map(str, choices))}, got {value!r}")
+        return value
+    if origin is dict:
+        if value is None:
+            return {}
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise ConfigError(f"config key {key}: expected a mapping with text keys, got {value!r}")
+        try:  # the hash and the workers' copy of the config are JSON: the values must survive it
+            json.dumps(value, allow_nan=False)
+        except (TypeError, ValueError):
+            raise ConfigError(f"config key {key}: values must be numbers, text, booleans, lists or "
+                              f"mappings, got {value!r}") from None
         return value
     if origin in (list, tuple):
         (item_type,) = typing.get_args(typ)[:1]
@@ -680,7 +728,8 @@ def key_docs(cls: type = None, prefix: str = "") -> list[KeyDoc]:
         elif key in RANGES:
             allowed = str(RANGES[key])
         else:
-            allowed = {bool: "true or false", str: "text"}.get(typ, "list")
+            allowed = ("mapping" if typing.get_origin(typ) is dict
+                       else {bool: "true or false", str: "text"}.get(typ, "list"))
         out.append(KeyDoc(key, value, comments.get(f.name, ""), allowed))
     return out
 

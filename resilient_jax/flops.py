@@ -45,6 +45,12 @@ def flops_per_token(model: ModelConfig, seq_len: int) -> float:
     return 6.0 * matmul_params(model) + 12.0 * model.n_layers * model.d_model * seq_len
 
 
+def dense_flops_per_token(num_params: int) -> float:
+    """A model of your own (model.factory): 6 FLOPs per parameter per token, its sequence-length
+    terms (attention, recurrences) unknown -- so MFU is an estimate there."""
+    return 6.0 * num_params
+
+
 def peak_flops(device_kind: str, dtype: str, override: float = 0.0) -> float | None:
     """Dense peak FLOP/s of one device for matmuls in `dtype`; `override` (run.peak_flops) wins."""
     if override > 0:

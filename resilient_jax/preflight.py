@@ -1,6 +1,8 @@
 """Start-up checks of a run that need more than one config key: made before any work is done and
 before anything is written, so a run that cannot work fails at once with one line (exit 2).
 
+- plug-ins (model.factory, task.loss) that do not import or are not callable (what they build is
+  checked abstractly by each trainer: resilient_jax.state.make_model_def);
 - faults that can never fire: a step at or past train.steps, a host fault on a single-process run,
   a data shard id the dataset does not have, a region the topology does not have;
 - data: a named dataset directory without a dataset (unless data.build_if_missing), quarantined
@@ -24,6 +26,7 @@ def check_run(cfg: Config) -> None:
     """Raises ConfigError / DatasetError (both ValueError, one line) for a run that cannot work."""
     faults = parse_faults(cfg.faults)
     check_faults(cfg, faults)
+    check_plugins(cfg)
     shards = dataset_shard_count(cfg)
     for fault in faults:
         if fault.kind == "nan_shard" and int(fault.target) >= shards:
@@ -36,6 +39,13 @@ def check_run(cfg: Config) -> None:
     check_output_dir("run.dir", cfg.run.dir)
     if cfg.checkpoint.dir:
         check_output_dir("checkpoint.dir", cfg.checkpoint.dir)
+
+
+def check_plugins(cfg: Config) -> None:
+    from resilient_jax.plugins import load_callable
+
+    load_callable(cfg.model.factory, "model.factory", cfg.task.import_dir)
+    load_callable(cfg.task.loss, "task.loss", cfg.task.import_dir)
 
 
 def check_faults(cfg: Config, faults: list[Fault]) -> None:

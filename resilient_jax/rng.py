@@ -3,6 +3,7 @@
     base            = key(seed)
     init            = fold_in(base, INIT)
     dropout(step,v) = fold_in(fold_in(fold_in(base, DROPOUT), step), v)    v = virtual shard
+    loss(step,v)    = fold_in(fold_in(fold_in(base, LOSS), step), v)       (task.loss's key)
 
 So a step's randomness depends on (seed, step, virtual shard) only -- not on which device or host
 computes that shard, and not on how many there are.
@@ -14,6 +15,7 @@ import jax
 
 INIT = 0
 DROPOUT = 1
+LOSS = 2
 
 
 def base_key(seed: int) -> jax.Array:
@@ -29,12 +31,18 @@ def dropout_key(seed: int, step: jax.Array, virtual_shard: jax.Array) -> jax.Arr
     return jax.random.fold_in(step_key, virtual_shard)
 
 
+def loss_key(seed: int, step: jax.Array, virtual_shard: jax.Array) -> jax.Array:
+    step_key = jax.random.fold_in(jax.random.fold_in(base_key(seed), LOSS), step)
+    return jax.random.fold_in(step_key, virtual_shard)
+
+
 def describe(seed: int) -> dict:
     """The RNG context a checkpoint records: enough to re-derive every key of the run."""
     return {
         "seed": seed,
         "impl": str(jax.random.key_impl(base_key(seed))),
         "base_key_data": [int(x) for x in jax.random.key_data(base_key(seed)).ravel()],
-        "purposes": {"init": INIT, "dropout": DROPOUT},
-        "derivation": "dropout(step, v) = fold_in(fold_in(fold_in(key(seed), 1), step), v)",
+        "purposes": {"init": INIT, "dropout": DROPOUT, "loss": LOSS},
+        "derivation": "dropout(step, v) = fold_in(fold_in(fold_in(key(seed), 1), step), v); "
+                      "loss(step, v) = fold_in(fold_in(fold_in(key(seed), 2), step), v)",
     }

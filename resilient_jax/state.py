@@ -9,17 +9,17 @@ the state ever exists on one device unless the mesh says so.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 from jax.sharding import Mesh
 
 from resilient_jax import mesh as mesh_lib
-from resilient_jax import rng
-from resilient_jax.config import ModelConfig
-from resilient_jax.model import TransformerLM
+from resilient_jax import models, plugins, rng
+from resilient_jax.config import BUILTIN_MODEL, ConfigError, ModelConfig
 
 
 @struct.dataclass
@@ -36,41 +36,110 @@ class ModelDef:
     graphdef: Any
     template: Any  # nnx.State with abstract values, filled by `forward`
     logical_axes: Any  # pure dict of logical-axis tuples, same structure as params
+    build: Callable[[nnx.Rngs], nnx.Module]  # the configured factory with its args bound
+
+    @property
+    def builtin(self) -> bool:
+        return self.cfg.factory == BUILTIN_MODEL
 
     def forward(self, params, tokens_BxL: jax.Array, dropout_key: jax.Array | None = None, *,
                 prepare_layer=None) -> jax.Array:
-        """`prepare_layer`: see TransformerLM.__call__ (a per-block params hook, e.g. a per-layer gather)."""
+        """`prepare_layer`: see TransformerLM.__call__ (a per-block params hook, e.g. a per-layer
+        gather); the built-in model's only."""
         state = jax.tree.map(lambda x: x, self.template)
         nnx.replace_by_pure_dict(state, params)
         model = nnx.merge(self.graphdef, state)
+        if prepare_layer is None:
+            return model(tokens_BxL, dropout_key=dropout_key)
         return model(tokens_BxL, dropout_key=dropout_key, prepare_layer=prepare_layer)
+
+    def check_output(self, seq_len: int, vocab_size: int) -> None:
+        """Refuse (one ConfigError line) a model whose logits are not float [B, seq_len, >= vocab_size]."""
+        # The key is made inside the trace: nothing runs (or compiles) on a device.
+        abstract_params = jax.eval_shape(lambda: self.init_params(jax.random.key(0)))
+        tokens = jax.ShapeDtypeStruct((2, seq_len), jnp.int32)
+        out = jax.eval_shape(self.forward, abstract_params, tokens)
+        shape, dtype = getattr(out, "shape", None), getattr(out, "dtype", None)
+        if (shape is None or len(shape) != 3 or tuple(shape[:2]) != (2, seq_len) or shape[2] < vocab_size
+                or not jnp.issubdtype(dtype, jnp.floating)):
+            got = f"{type(out).__name__} {tuple(shape)} {dtype}" if shape is not None else type(out).__name__
+            raise ConfigError(
+                f"config key model.factory: {self.cfg.factory} must return float logits [B, L, vocab] with "
+                f"vocab >= the dataset's {vocab_size}; for tokens [2, {seq_len}] it returned {got}")
 
     @property
     def layer_axes(self):
         """Logical axes of ONE block's params, as `prepare_layer` sees them (no "layers" dim)."""
+        if not self.builtin:
+            raise ValueError(f"layer_axes is the built-in transformer's; model.factory is {self.cfg.factory}")
         blocks = self.logical_axes["blocks"]
         if self.cfg.scan_layers:
             return jax.tree.map(lambda axes: axes[1:], blocks, is_leaf=lambda x: isinstance(x, tuple))
         return blocks[0]
 
     def init_params(self, key: jax.Array):
-        return nnx.to_pure_dict(nnx.state(_build_model(self.cfg, key), nnx.Param))
+        return nnx.to_pure_dict(nnx.state(_build_model(self.build, key), nnx.Param))
 
 
-def _build_model(cfg: ModelConfig, key) -> TransformerLM:
+def _build_model(build: Callable[[nnx.Rngs], nnx.Module], key) -> nnx.Module:
     # Variables keep their logical names as metadata instead of being sharded at creation (the
     # state is born sharded by jit(init, out_shardings=...) below). Scoped to this call, so the
     # user's own NNX setting is left as it was.
     with nnx.use_eager_sharding(False):
-        return TransformerLM(cfg, rngs=nnx.Rngs(params=key))
+        return build(nnx.Rngs(params=key))
 
 
-def make_model_def(cfg: ModelConfig) -> ModelDef:
-    abstract = nnx.eval_shape(lambda: _build_model(cfg, 0))
+def make_model_def(cfg: ModelConfig, import_dir: str = "") -> ModelDef:
+    """The configured model (model.factory called with its args), checked abstractly: it must be an
+    nnx.Module whose every parameter names a known logical axis per dim. `import_dir`: task.import_dir."""
+    factory = plugins.load_callable(cfg.factory, "model.factory", import_dir)
+    args = models.factory_args(cfg)
+
+    def build(rngs: nnx.Rngs) -> nnx.Module:
+        module = factory(dict(args), rngs)
+        if not isinstance(module, nnx.Module):
+            raise ConfigError(f"config key model.factory: {cfg.factory} must return a flax.nnx.Module, "
+                              f"got {type(module).__name__}")
+        return module
+
+    try:
+        abstract = nnx.eval_shape(lambda: _build_model(build, 0))
+    except (TypeError, KeyError) as e:
+        if cfg.factory == BUILTIN_MODEL:
+            raise
+        raise ConfigError(f"config key model.factory: {cfg.factory}(model.args={args}, rngs) raised "
+                          f"{type(e).__name__}: {e}") from None
     graphdef, state = nnx.split(abstract, nnx.Param)
     specs = nnx.to_pure_dict(nnx.get_partition_spec(state))
     logical = jax.tree.map(tuple, specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
-    return ModelDef(cfg=cfg, graphdef=graphdef, template=state, logical_axes=logical)
+    _check_logical_axes(cfg.factory, nnx.to_pure_dict(state), logical)
+    return ModelDef(cfg=cfg, graphdef=graphdef, template=state, logical_axes=logical, build=build)
+
+
+def _check_logical_axes(factory: str, abstract_params, logical) -> None:
+    """Every param dim has a logical name (None = replicated) that mesh.LOGICAL_RULES maps."""
+    shapes = jax.tree_util.tree_flatten_with_path(abstract_params)[0]
+    if not shapes:
+        raise ConfigError(f"config key model.factory: {factory} built a module without any nnx.Param")
+    axes = jax.tree.leaves(logical, is_leaf=lambda x: isinstance(x, tuple))
+    rules = ", ".join(f"{name} -> {axis}" for name, axis in mesh_lib.LOGICAL_RULES.items())
+    for (path, leaf), names in zip(shapes, axes):
+        where = "/".join(str(getattr(k, "key", k)) for k in path)
+        if len(names) != len(leaf.shape):
+            raise ConfigError(
+                f"config key model.factory: param {where} {tuple(leaf.shape)} has logical axes {names or '()'}, "
+                f"one name per dim needed: nnx.Param(value, out_sharding=(...)) with names from "
+                f"resilient_jax.mesh.LOGICAL_RULES ({rules}) or None")
+        unknown = [n for n in names if n is not None and n not in mesh_lib.LOGICAL_RULES]
+        if unknown:
+            raise ConfigError(
+                f"config key model.factory: param {where} has logical axis {unknown[0]!r}, which no rule maps; "
+                f"use one of resilient_jax.mesh.LOGICAL_RULES ({rules}) or None")
+        mesh_axes = [mesh_lib.LOGICAL_RULES[n] for n in names if n is not None and mesh_lib.LOGICAL_RULES[n]]
+        if len(set(mesh_axes)) != len(mesh_axes):
+            raise ConfigError(
+                f"config key model.factory: param {where} has logical axes {names}, which put one mesh axis on "
+                f"two dims (rules: {rules}); name one of those dims None")
 
 
 def state_shardings(model_def: ModelDef, tx: optax.GradientTransformation, mesh) -> TrainState:

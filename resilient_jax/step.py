@@ -26,6 +26,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from resilient_jax import mesh as mesh_lib
 from resilient_jax import reduce, rng
+from resilient_jax.losses import LossFn, next_token_cross_entropy
 from resilient_jax.state import ModelDef, TrainState
 
 
@@ -73,21 +74,24 @@ def make_shard_plan(global_batch: int, num_shards: int, replicas: int) -> ShardP
     return ShardPlan(num_shards=num_shards, replicas=replicas, rows_per_shard=global_batch // num_shards)
 
 
-def _shard_loss_fn(model_def: ModelDef):
-    def loss_sum(params, tokens_BxL1, weights_BxL, key):
+def _shard_loss_fn(model_def: ModelDef, loss_fn: LossFn):
+    def loss_sum(params, tokens_BxL1, weights_BxL, key, loss_key):
         logits = model_def.forward(params, tokens_BxL1[:, :-1], dropout_key=key)
-        ce_BxL = optax.softmax_cross_entropy_with_integer_labels(logits, tokens_BxL1[:, 1:])
-        row_loss_B = jnp.sum(ce_BxL * weights_BxL, axis=1)
+        row_loss_B = loss_fn(logits, tokens_BxL1[:, 1:], weights_BxL, key=loss_key)
         return jnp.sum(row_loss_B), (jnp.sum(weights_BxL), row_loss_B)
 
     return loss_sum
 
 
 def make_compute(
-    model_def: ModelDef, mesh: Mesh, plan: ShardPlan, *, seed: int, mode: reduce.Reduction, use_dropout: bool
+    model_def: ModelDef, mesh: Mesh, plan: ShardPlan, *, seed: int, mode: reduce.Reduction, use_dropout: bool,
+    loss_fn: LossFn = next_token_cross_entropy,
 ) -> Callable[..., GradResult]:
+    """`use_dropout`: give the model each shard's dropout key; `loss_fn`: task.loss, given its own key
+    unless it is the deterministic default (see resilient_jax.rng and resilient_jax.losses)."""
+    use_loss_key = loss_fn is not next_token_cross_entropy
     axis = mesh_lib.DATA_AXIS
-    grad_fn = jax.value_and_grad(_shard_loss_fn(model_def), has_aux=True)
+    grad_fn = jax.value_and_grad(_shard_loss_fn(model_def, loss_fn), has_aux=True)
     S, V = plan.shards_per_replica, plan.num_shards
 
     def per_replica(params, tokens, weights, step):
@@ -98,7 +102,8 @@ def make_compute(
         def one_shard(inputs):
             tok, w, v = inputs
             key = rng.dropout_key(seed, step, v) if use_dropout else None
-            (loss_sum, (weight_sum, row_loss)), g = grad_fn(params, tok, w, key)
+            loss_key = rng.loss_key(seed, step, v) if use_loss_key else None
+            (loss_sum, (weight_sum, row_loss)), g = grad_fn(params, tok, w, key, loss_key)
             finite = jnp.isfinite(loss_sum) & jnp.all(
                 jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(g)])
             )

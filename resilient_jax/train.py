@@ -107,10 +107,10 @@ def _run(args: argparse.Namespace) -> int:
     allow = [k.strip() for k in args.allow_config_change.split(",") if k.strip()]
     if cfg.topology.regions:
         # Several hosts: this process becomes the controller and never touches devices.
-        with _locked(cfg):
+        with hold_run_dir(cfg):
             return run_elastic_cli(cfg, args, allow)
     # The lock comes first: a second run into a busy run.dir is refused before it builds anything.
-    with _locked(cfg):
+    with hold_run_dir(cfg):
         setup_devices(cfg)
         from resilient_jax.checkpoint.store import CheckpointSaveError
         from resilient_jax.data import DatasetError
@@ -128,7 +128,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 @contextlib.contextmanager
-def _locked(cfg: Config):
+def hold_run_dir(cfg: Config):
     """Holds run.dir's lock (if this process owns run.dir) for the block; warns on a stale takeover."""
     lock = run_lock(cfg)
     if lock is None:

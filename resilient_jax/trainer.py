@@ -24,6 +24,7 @@ from resilient_jax import data as data_lib
 from resilient_jax import faults as faults_lib
 from resilient_jax import flops as flops_lib
 from resilient_jax import mesh as mesh_lib
+from resilient_jax import plugins
 from resilient_jax import state as state_lib
 from resilient_jax import step as step_lib
 from resilient_jax.checkpoint.session import CheckpointSession
@@ -113,18 +114,23 @@ class Trainer:
             cfg.data.global_batch, cfg.parallel.virtual_shards, self.mesh.shape[mesh_lib.DATA_AXIS]
         )
         self.manifest = resolve_dataset(cfg.data, verified_dataset)
-        if self.manifest.vocab_size > cfg.model.vocab_size:
+        self.model_def = state_lib.make_model_def(cfg.model, cfg.task.import_dir)
+        if not self.model_def.builtin:
+            self.model_def.check_output(cfg.data.seq_len, self.manifest.vocab_size)
+        elif self.manifest.vocab_size > cfg.model.vocab_size:
             raise ValueError(
                 f"model.vocab_size ({cfg.model.vocab_size}) is smaller than the dataset's vocabulary "
                 f"({self.manifest.vocab_size}); raise model.vocab_size"
             )
-        self.model_def = state_lib.make_model_def(cfg.model)
+        loss_fn = plugins.load_callable(cfg.task.loss, "task.loss", cfg.task.import_dir)
         self.tx = build_optimizer(cfg.optimizer, cfg.train.steps)
         self.schedule = lr_schedule(cfg.optimizer, cfg.train.steps)
         self.shardings = state_lib.state_shardings(self.model_def, self.tx, self.mesh)
+        # A model of your own always gets a dropout key (it may ignore it); the built-in only with dropout.
+        use_dropout = cfg.model.dropout > 0 if self.model_def.builtin else True
         self.compute = step_lib.make_compute(
             self.model_def, self.mesh, self.plan,
-            seed=cfg.train.seed, mode=cfg.parallel.reduction, use_dropout=cfg.model.dropout > 0,
+            seed=cfg.train.seed, mode=cfg.parallel.reduction, use_dropout=use_dropout, loss_fn=loss_fn,
         )
         self.apply = step_lib.make_apply(self.tx, self.schedule, self.shardings, self.mesh)
         self.run_dir = Path(cfg.run.dir)
@@ -415,7 +421,12 @@ class Throughput:
     def of(cls, trainer: Trainer) -> Throughput:
         cfg, devices = trainer.cfg, list(trainer.mesh.devices.flat)
         kind = devices[0].device_kind
-        return cls(flops_per_token=flops_lib.flops_per_token(cfg.model, cfg.data.seq_len),
+        if trainer.model_def.builtin:
+            per_token = flops_lib.flops_per_token(cfg.model, cfg.data.seq_len)
+        else:
+            params = jax.eval_shape(trainer.model_def.init_params, jax.random.key(0))
+            per_token = flops_lib.dense_flops_per_token(count_params(params))
+        return cls(flops_per_token=per_token,
                    peak_per_device=flops_lib.peak_flops(kind, cfg.model.dtype, cfg.run.peak_flops),
                    devices=len(devices), device_kind=kind,
                    local_devices=tuple(d for d in devices if d.process_index == jax.process_index()))

@@ -62,6 +62,14 @@ CASES = [
     (["--set", "checkpoint.dir=a-file"], "checkpoint.dir {cwd}/a-file is a file"),
     (["--set", "run.dir=/proc/self/rj-run"], "run.dir /proc/self/rj-run is not writable"),
     (["--stop-at", "0"], "--stop-at 0: must be >= 1"),
+    (["--set", "model.factory=no_such_pkg_h13:build"],
+     "config key model.factory: cannot import module 'no_such_pkg_h13' (looked in task.import_dir"),
+    (["--set", "model.factory=resilient_jax.config:BUILTIN_MODEL"],
+     "config key model.factory: resilient_jax.config:BUILTIN_MODEL is a str, not a callable"),
+    (["--set", "model.factory=resilient_jax.models"], 'config key model.factory: expected "package.module:name"'),
+    (["--set", "task.loss=no_such_pkg_h13:loss"], "config key task.loss: cannot import module 'no_such_pkg_h13'"),
+    (["--set", "model.args={width: 3}"], "config key model.args: the built-in model"),
+    (["--set", "model.args=[1, 2]"], "config key model.args: expected a mapping with text keys"),
 ]
 
 
@@ -124,6 +132,26 @@ def test_cli_bad_input(workdir, extra, expected):
     before = tree(workdir)
     line = _one_error_line(_cli(workdir, *extra))
     assert expected.format(cwd=workdir) in line, line
+    assert tree(workdir) == before
+
+
+def test_cli_model_with_wrong_logits_shape_is_refused_before_any_step(workdir, tmp_path_factory):
+    """A factory that imports but whose module returns [B, L] (no vocab dim): found by the trainer's
+    abstract check (with run.dir locked), one line, the lock and its directories gone again."""
+    plugin_dir = tmp_path_factory.mktemp("plugin")
+    (plugin_dir / "h13_flat_model.py").write_text(
+        "import jax.numpy as jnp\nfrom flax import nnx\n\n"
+        "class Flat(nnx.Module):\n"
+        "    def __init__(self, rngs):\n"
+        "        self.w = nnx.Param(jnp.zeros((256, 4)), out_sharding=('vocab', None))\n"
+        "    def __call__(self, tokens_BxL, *, dropout_key=None):\n"
+        "        return jnp.take(self.w[...], tokens_BxL, axis=0)[..., 0]\n\n"
+        "def build(args, rngs):\n    return Flat(rngs)\n")
+    before = tree(workdir)
+    line = _one_error_line(_cli(workdir, "--config", str(TINY), "--set", f"task.import_dir={plugin_dir}",
+                                "--set", "model.factory=h13_flat_model:build", "--set", "run.dir=runs/deep/run"))
+    assert "config key model.factory: h13_flat_model:build must return float logits [B, L, vocab]" in line, line
+    assert "it returned ShapeDtypeStruct (2, 64) float32" in line, line
     assert tree(workdir) == before
 
 

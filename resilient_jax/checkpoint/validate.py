@@ -41,7 +41,10 @@ LAYOUT = ("parallel.devices", "parallel.data", "parallel.fsdp", "parallel.tensor
 # dataset moved to another directory, or the same relative path resolved from another directory,
 # resumes; another dataset is refused by its version whatever its path.
 DATA_LOCATION = ("data.dataset", "data.src", "data.build_if_missing")
-OPERATIONAL = ("run.", "checkpoint.", "train.log_every", "data.prefetch", *DATA_LOCATION, *LAYOUT)
+# task.import_dir only says where model.factory / task.loss are found (the config file's directory
+# by default): the model is pinned by model.factory, model.args and the params' shapes, checked on restore.
+PLUGIN_LOCATION = ("task.import_dir",)
+OPERATIONAL = ("run.", "checkpoint.", "train.log_every", "data.prefetch", *DATA_LOCATION, *PLUGIN_LOCATION, *LAYOUT)
 
 
 def is_operational(key: str) -> bool:
