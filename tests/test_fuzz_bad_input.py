@@ -134,13 +134,15 @@ def merged(base: dict, mutation: dict) -> dict:
 def test_mutated_configs_get_one_line_naming_the_key(workdir, capsys, seed):
     rng = random.Random(seed)
     base = yaml.safe_load(TINY.read_text())
+    base["run"]["dir"] = "runs/fuzz"  # in the file, not --set, so a mutated run.dir is what the run sees
     keys = scalar_keys()
     for i in range(CASES_PER_SEED):
         what, mutation, named = invalid_mutation(rng, keys)
         path = workdir / f"case-{i}.yaml"
         path.write_text(yaml.safe_dump(merged(base, mutation)))
         before = tree(workdir)
-        line = one_error_line(capsys, train.main(["--config", str(path), "--set", "run.dir=runs/fuzz"]), what)
+        # --stop-at 1: a mutation the validator wrongly accepted costs one step, not a whole run.
+        line = one_error_line(capsys, train.main(["--config", str(path), "--stop-at", "1"]), what)
         assert named in line, f"{what}: the error does not name {named!r}: {line}"
         assert tree(workdir) == before, what
 
@@ -190,7 +192,7 @@ def test_mutated_fault_specs_get_one_line(workdir, capsys, seed):
         tried += 1
         before = tree(workdir)
         line = one_error_line(capsys, train.main(["--config", str(TINY), "--set", "run.dir=runs/fuzz",
-                                                  "--fault", spec]), f"--fault {spec!r}")
+                                                  "--stop-at", "1", "--fault", spec]), f"--fault {spec!r}")
         assert "fault" in line, line
         assert tree(workdir) == before, spec
 
@@ -236,7 +238,7 @@ def test_mutated_manifests_get_one_line_naming_the_manifest(workdir, capsys, def
     for i in range(CASES_PER_SEED):
         manifest.write_bytes(mutated_manifest(rng, original).encode("latin-1"))
         before = tree(workdir)
-        line = one_error_line(capsys, train.main(["--config", str(TINY), "--set", "run.dir=runs/fuzz",
-                                                  "--set", f"data.dataset={dataset}"]), f"manifest case {i}")
+        line = one_error_line(capsys, train.main(["--config", str(TINY), "--set", "run.dir=runs/fuzz", "--stop-at",
+                                                  "1", "--set", f"data.dataset={dataset}"]), f"manifest case {i}")
         assert str(manifest) in line, line
         assert tree(workdir) == before
