@@ -103,6 +103,17 @@ def test_a_world_that_failed_while_forming_restores_from_disk_not_from_a_member_
     world = reply["world"]
     assert world["generation"] == 1 and world["members"] == ["h0"]
     assert world["source"] is None and world["resume_step"] == 0  # the newest checkpoint, not zeros
+    assert controller.restarts == 0  # no step ran since the checkpoint: nothing was lost
+
+
+def test_a_restore_from_disk_after_steps_ran_counts_a_restart(controller):
+    client = ControllerClient(controller.url, "s3cret")
+    for host in ("h0", "h1"):
+        client.call("/register", host=host, region="us", devices=2, config_hash="a" * 64)
+    client.call("/progress", host="h0", generation=0, step=1)  # generation 0 ran steps
+    reply = client.call("/reform", host="h0", generation=0, completed_step=-1, data_position=None,
+                        reason="failure")
+    assert reply["world"]["source"] is None and controller.restarts == 1
 
 
 def _heartbeat(client, host, generation=0, step=0, **kw):

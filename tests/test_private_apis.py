@@ -17,8 +17,45 @@ def test_distributed_runtime_service_and_client_factories():
     assert "recoverable" in doc and "heartbeat_timeout" in doc, doc
     doc = _jax.get_distributed_runtime_client.__doc__ or ""
     assert "wait_at_barrier" in dir(_jax.DistributedRuntimeClient)
-    for name in ("node_id", "init_timeout", "heartbeat_timeout", "use_compression"):
+    for name in ("node_id", "init_timeout", "heartbeat_timeout", "use_compression", "missed_heartbeat_callback"):
         assert name in doc, f"get_distributed_runtime_client lost {name}: {doc}"
+
+
+JOIN_A_WORLD_NOBODY_ELSE_JOINS = """
+import sys
+import jax
+from resilient_jax.elastic import world
+from resilient_jax.elastic.channel import free_port
+
+jax.config.update("jax_enable_recoverability", True)
+address = f"127.0.0.1:{free_port()}"
+service = world.CoordinationService(address, 2)
+try:
+    world.join(address, 2, 0, init_timeout=2)
+except world.WorldFormationError as e:
+    print("raised:", e)
+world.leave()
+service.shutdown()
+address = f"127.0.0.1:{free_port()}"
+service = world.CoordinationService(address, 1)
+world.join(address, 1, 0)  # the next world, in the same process
+print("next world:", jax.process_count(), float(jax.jit(lambda x: x.sum())(jax.numpy.ones(4))))
+world.leave()
+service.shutdown()
+"""
+
+
+def test_a_member_that_never_arrives_makes_join_raise_not_kill_the_process():
+    """XLA's default coordination error handler ends the process (LOG(QFATAL)) when `connect` fails;
+    world.join's handler turns that into WorldFormationError (see world._on_coordination_error). If
+    a jax upgrade changes this, the process dies here (or the error type changes) and this fails."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", JOIN_A_WORLD_NOBODY_ELSE_JOINS], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "raised: joining the world at 127.0.0.1:" in proc.stdout and "next world: 1 4.0" in proc.stdout, proc.stdout
 
 
 def test_distributed_global_state_fields():

@@ -624,7 +624,9 @@ class Controller:
     def _form(self, *, reason: str, resume_step: int, source: str | None, data_position: dict | None,
               lost: list[str], reslotted: list[str] | None = None, decision: dict | None = None) -> None:
         generation = 0 if self.world is None else self.world.generation + 1
-        if generation > 0 and source is None:
+        # A world that restores from disk is a restart -- unless no world of this invocation has run
+        # a step yet (generation 0 failed while forming): then the checkpoint is where it started anyway.
+        if generation > 0 and source is None and any(e.first_step_at is not None for e in self.events):
             self.restarts += 1
         old = [] if self.world is None else [h for h in self.world.members if self.members[h].status == "active"]
         joiners = sorted(h for h, m in self.members.items() if m.status == "registered")
@@ -697,5 +699,5 @@ def _formed_sentence(world: World, lost: list[str], joined: list[str], reslotted
     if world.source is not None:
         start = f"; resumes from step {world.resume_step} with {world.source}'s state in memory"
     else:  # the first world, or every member lost its state: from the newest checkpoint, if any
-        start = "" if world.generation == 0 else "; resumes from the newest checkpoint on disk"
+        start = "" if world.generation == 0 else "; no member holds a state: starts from the newest checkpoint, if any"
     return f"generation {world.generation} formed{why}: {len(world.members)} hosts ({', '.join(world.members)}){start}"

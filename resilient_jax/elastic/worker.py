@@ -336,7 +336,14 @@ class Worker:
 
         members = world["members"]
         rank = members.index(self.host)
-        world_lib.join(world["coordinator"], len(members), rank)  # not under the lock: it waits for peers
+        try:
+            world_lib.join(world["coordinator"], len(members), rank)  # not under the lock: it waits for peers
+        except world_lib.WorldFormationError as e:
+            # What this host kept from the last world is unchanged; ask for the next one.
+            self.generation = world["generation"]
+            log.warning("generation %d did not form: %s", self.generation, e)
+            world_lib.leave()
+            return "failure"
         with self._world_lock:
             self.generation = world["generation"]
             self.coordinator_port = int(world["coordinator"].rsplit(":", 1)[1])

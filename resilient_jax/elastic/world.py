@@ -7,7 +7,7 @@ death of process 0 aborts every survivor. Here the service lives in the controll
 (order from ../shared/notes/jax-facts.md: shutdown, then clear backends).
 
 Private APIs used (pinned jax==0.10.2; tests/test_private_apis.py fails loudly if they move):
-  jax._src.lib._jax.get_distributed_runtime_service / get_distributed_runtime_client
+  jax._src.lib._jax.get_distributed_runtime_service / get_distributed_runtime_client (missed_heartbeat_callback)
   jax._src.distributed.global_state (.client, .process_id, .num_processes, .coordinator_address)
   DistributedRuntimeClient.wait_at_barrier
 """
@@ -69,10 +69,31 @@ def join(coordinator: str, num_processes: int, rank: int, *, init_timeout: int =
     state.num_processes = num_processes
     state.client = _jax.get_distributed_runtime_client(
         coordinator, rank, init_timeout=init_timeout, heartbeat_timeout=heartbeat_timeout, use_compression=True,
+        missed_heartbeat_callback=_on_coordination_error,
     )
-    state.client.connect()
+    try:
+        state.client.connect()  # waits for every member
+    except RuntimeError as e:
+        state.client = None  # never connected: nothing to shut down
+        raise WorldFormationError(f"joining the world at {coordinator} as rank {rank} of {num_processes} failed "
+                                  f"(a member never arrived): {str(e).splitlines()[0][:200]}") from None
     # As jax.distributed.initialize does: checkpoint preemption handling syncs through it.
     state.initialize_preemption_sync_manager()
+
+
+class WorldFormationError(RuntimeError):
+    """`join` could not connect: a member died (or was declared dead) while the world formed."""
+
+
+def _on_coordination_error(status) -> None:
+    """Replaces XLA's default error handler of the coordination client, which terminates the process
+    (LOG(QFATAL) "the JAX distributed service detected fatal errors"): with it, a member that died
+    while a world formed killed every other member waiting in `connect` (found by scripts/soak.py).
+    jaxlib 0.10.2 cannot hand the absl::Status to Python (the call raises std::bad_cast inside
+    `connect`), which is what we need: `connect` raises instead of killing, and the worker asks for
+    the next world. On a background thread the outcome is what XLA's default does (the process
+    ends). tests/test_private_apis.py pins both behaviours."""
+    log.warning("coordination service error: %s", status)
 
 
 def barrier(name: str, timeout_seconds: float) -> None:
