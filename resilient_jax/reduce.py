@@ -39,6 +39,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from resilient_jax import collectives
+
 Reduction = Literal["invariant", "native"]
 
 BLOCK_MIN, BLOCK_MAX = 128, 1024
@@ -141,7 +143,7 @@ def global_exponents(accs, axes) -> tuple[object, object]:
     """(finest lsb, largest exponent) per block over every device on `axes`: one exact all-reduce."""
     with jax.enable_x64(True):
         packed = jax.tree.map(lambda a: jnp.stack([-a.lsb, a.exp]), accs, is_leaf=is_acc)
-        packed = lax.pmax(packed, axes)
+        packed = collectives.pmax(packed, axes)
         lsb = jax.tree.map(lambda p: -p[0], packed)
         exp = jax.tree.map(lambda p: p[1], packed)
         return lsb, exp
@@ -161,38 +163,31 @@ def fixed_lsb(exp, num_shards: int):
 
 def reduce_exact(accs, lsb, *, scatter_axes, data_axis: str, fsdp_axis: str):
     """Shift every device's accumulator to the global lsb, reduce-scatter over fsdp (to each leaf's
-    `scatter_axes` entry; -1: all-reduce) and all-reduce over data; back to float32."""
+    `scatter_axes` entry; -1: all-reduce) and all-reduce over data; back to float32.
 
-    def leaf(a: IntAccumulator, lsb_g: jax.Array, axis: int) -> jax.Array:
-        with jax.enable_x64(True):
-            ndim = a.acc.ndim
-            x = _shift_left(a.acc, _expand(a.lsb - lsb_g, ndim))
-            k = lsb_g.ndim
-            if axis < 0:
-                x = lax.psum(x, fsdp_axis)
-            else:
-                x = lax.psum_scatter(x, fsdp_axis, scatter_dimension=axis, tiled=True)
-                if axis < k:  # this device's rows of the per-block lsb
-                    size = x.shape[axis]
-                    lsb_g = lax.dynamic_slice_in_dim(lsb_g, lax.axis_index(fsdp_axis) * size, size, axis)
-            x = lax.psum(x, data_axis)
-            scale = _expand(jnp.clip(lsb_g, -1100, 1100), ndim)
+    The whole tree travels as one int64 buffer per collective (resilient_jax.collectives says why)."""
+    with jax.enable_x64(True):
+        fsdp_size = lax.axis_size(fsdp_axis)
+        shifted = jax.tree.map(lambda a, lsb_g: _shift_left(a.acc, _expand(a.lsb - lsb_g, a.acc.ndim)),
+                               accs, lsb, is_leaf=is_acc)
+        summed = collectives.sum_scatter(shifted, scatter_axes, fsdp_axis=fsdp_axis, fsdp_size=fsdp_size,
+                                         data_axis=data_axis)
+
+        def leaf(x: jax.Array, lsb_g: jax.Array, axis: int) -> jax.Array:
+            if 0 <= axis < lsb_g.ndim:  # this device's rows of the per-block lsb
+                size = x.shape[axis]
+                lsb_g = lax.dynamic_slice_in_dim(lsb_g, lax.axis_index(fsdp_axis) * size, size, axis)
+            scale = _expand(jnp.clip(lsb_g, -1100, 1100), x.ndim)
             out = jnp.ldexp(x.astype(jnp.float64), scale).astype(jnp.float32)
-            return jnp.where(_expand(lsb_g, ndim) == LSB_NONE, jnp.float32(0), out)
+            return jnp.where(_expand(lsb_g, x.ndim) == LSB_NONE, jnp.float32(0), out)
 
-    return jax.tree.map(leaf, accs, lsb, scatter_axes, is_leaf=is_acc)
+        return jax.tree.map(leaf, summed, lsb, scatter_axes)
 
 
 def reduce_native(grads, *, scatter_axes, data_axis: str, fsdp_axis: str):
-    """Plain float reduce-scatter over fsdp and all-reduce over data."""
-
-    def leaf(g: jax.Array, axis: int) -> jax.Array:
-        g = lax.psum(g, fsdp_axis) if axis < 0 else lax.psum_scatter(
-            g, fsdp_axis, scatter_dimension=axis, tiled=True
-        )
-        return lax.psum(g, data_axis)
-
-    return jax.tree.map(leaf, grads, scatter_axes)
+    """Plain float reduce-scatter over fsdp and all-reduce over data (one buffer per collective)."""
+    return collectives.sum_scatter(grads, scatter_axes, fsdp_axis=fsdp_axis, fsdp_size=lax.axis_size(fsdp_axis),
+                                   data_axis=data_axis)
 
 
 def is_acc(x) -> bool:

@@ -26,7 +26,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
 from resilient_jax import mesh as mesh_lib
-from resilient_jax import reduce, rng
+from resilient_jax import collectives, reduce, rng
 from resilient_jax.state import ModelDef, TrainState
 
 
@@ -96,6 +96,18 @@ class _ShardStats:
     row_finite: jax.Array  # [S, b] bool
 
 
+def _gather_stats(stats: _ShardStats, axes, num_shards: int):
+    """Every shard's (loss, weight, finite, row_finite), from all devices, as ONE all-gather: the
+    four travel as columns of one float32 array (bools as 0/1, exact; losses' bits unchanged)."""
+    S = stats.loss.shape[0]
+    columns = jnp.concatenate([
+        stats.loss.astype(jnp.float32).reshape(S, 1), stats.weight.astype(jnp.float32).reshape(S, 1),
+        stats.finite.astype(jnp.float32).reshape(S, 1), stats.row_finite.astype(jnp.float32),
+    ], axis=1)
+    rows = lax.all_gather(columns, axes, tiled=True)[:num_shards]
+    return rows[:, 0], rows[:, 1], rows[:, 2] > 0.5, (rows[:, 3:] > 0.5).reshape(-1)
+
+
 def make_compute(
     model_def: ModelDef, mesh: Mesh, plan: ShardPlan, *, seed: int, mode: reduce.Reduction, use_dropout: bool
 ) -> Callable[..., GradResult]:
@@ -131,9 +143,8 @@ def make_compute(
             return g, (loss_sum, weight_sum, finite, jnp.isfinite(row_loss))
 
     def per_device(params_local, tokens, weights, step):
-        params = jax.tree.map(
-            lambda p, dim: p if dim < 0 else lax.all_gather(p, fsdp, axis=dim, tiled=True), params_local, fsdp_dims
-        )
+        # One all-gather for the whole tree, not one per leaf (resilient_jax.collectives says why).
+        params = collectives.gather(params_local, fsdp_dims, axis=fsdp, size=fsdp_size)
         grid = lax.axis_index(data) * fsdp_size + lax.axis_index(fsdp)
         xs = (tokens.reshape(S, b, -1), weights.reshape(S, b, -1), grid * S + jnp.arange(S, dtype=jnp.int32))
 
@@ -150,11 +161,7 @@ def make_compute(
         else:
             with jax.enable_x64(True):
                 grads, stats, passes = exact_grads(params, step, xs)
-        stats = _ShardStats(*stats)
-        loss_V = lax.all_gather(stats.loss, (data, fsdp), tiled=True)[:V]
-        weight_V = lax.all_gather(stats.weight, (data, fsdp), tiled=True)[:V]
-        finite_V = lax.all_gather(stats.finite, (data, fsdp), tiled=True)[:V]
-        row_finite = lax.all_gather(stats.row_finite, (data, fsdp), tiled=True)[:V].reshape(-1)
+        loss_V, weight_V, finite_V, row_finite = _gather_stats(_ShardStats(*stats), (data, fsdp), V)
         total_weight = jnp.maximum(reduce.ordered_sum(weight_V, V), 1.0)
         grads = jax.tree.map(lambda g: g / total_weight, grads)
         return GradResult(
