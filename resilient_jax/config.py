@@ -191,7 +191,8 @@ class ParallelConfig:
     # The global batch is cut into this many fixed shards; the trajectory never depends on how
     # they are spread over devices (in `invariant` mode). Pick a number with many divisors.
     virtual_shards: int = 24
-    # `invariant`: order-fixed, topology-independent gradient sum; `native`: XLA's psum.
+    # `invariant`: exact int64 fixed-point sum, the same bits on every (data, fsdp) layout and process
+    # count; `native`: XLA's float reduce-scatter / psum.
     reduction: Literal["invariant", "native"] = "invariant"
 
 

@@ -17,7 +17,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from resilient_jax.config import ParallelConfig
 
 MESH_AXES = ("data", "fsdp", "tensor")
-DATA_AXIS = "data"
+DATA_AXIS, FSDP_AXIS, TENSOR_AXIS = MESH_AXES
 
 # logical dim -> mesh axis (or None = replicated). Weights shard over fsdp/tensor inside a replica
 # and are replicated across replicas, so every replica holds a full copy (DESIGN invariant 3).
@@ -77,13 +77,52 @@ def logical_to_mesh_spec(logical_axes: Sequence[str | None]) -> PartitionSpec:
     return PartitionSpec(*(None if a is None else LOGICAL_RULES[a] for a in logical_axes))
 
 
+def specs_from_logical(logical_tree):
+    """Map a tree of logical-axis tuples to mesh PartitionSpecs."""
+    return jax.tree.map(logical_to_mesh_spec, logical_tree, is_leaf=lambda x: isinstance(x, tuple))
+
+
 def shardings_from_logical(logical_tree, mesh: Mesh | AbstractMesh):
     """Map a tree of logical-axis tuples to NamedShardings on `mesh`."""
     return jax.tree.map(
-        lambda axes: NamedSharding(mesh, logical_to_mesh_spec(axes)),
-        logical_tree,
-        is_leaf=lambda x: isinstance(x, tuple),
+        lambda spec: NamedSharding(mesh, spec), specs_from_logical(logical_tree),
+        is_leaf=lambda x: isinstance(x, PartitionSpec),
     )
+
+
+def keep_axes(spec: PartitionSpec, axes) -> PartitionSpec:
+    """`spec` with every mesh axis outside `axes` replaced by None (for a partially manual shard_map)."""
+    return PartitionSpec(*(a if a in axes else None for a in spec))
+
+
+def axis_position(spec: PartitionSpec, axis: str) -> int:
+    """Which array dimension `spec` shards over mesh axis `axis`; -1 if none."""
+    return next((i for i, a in enumerate(spec) if a == axis), -1)
+
+
+def grid_size(mesh: Mesh | AbstractMesh) -> int:
+    """Devices of the data x fsdp grid: each computes whole virtual shards (tensor devices share them)."""
+    return mesh.shape[DATA_AXIS] * mesh.shape[FSDP_AXIS]
+
+
+def check_model_layout(model, sizes: dict[str, int]) -> None:
+    """Refuse, before any compile, a tensor/fsdp size that cannot split the model's dims."""
+    tensor, fsdp = sizes[TENSOR_AXIS], sizes[FSDP_AXIS]
+    for key, dim in (("model.n_heads", model.n_heads), ("model.vocab_size", model.vocab_size),
+                     ("model.d_ff", model.d_ff)):
+        if dim % tensor:
+            raise ValueError(
+                f"parallel.tensor ({tensor}) must divide {key} ({dim}); use a tensor size in {_divisors(dim)}"
+            )
+    if model.d_model % fsdp:
+        raise ValueError(
+            f"parallel.fsdp ({fsdp}) must divide model.d_model ({model.d_model}); "
+            f"use an fsdp size in {_divisors(model.d_model)}"
+        )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, min(n, 64) + 1) if n % d == 0]
 
 
 def replicated(mesh: Mesh | AbstractMesh) -> NamedSharding:
@@ -91,5 +130,6 @@ def replicated(mesh: Mesh | AbstractMesh) -> NamedSharding:
 
 
 def batch_sharding(mesh: Mesh | AbstractMesh) -> NamedSharding:
-    """Rows of the global batch are split over replicas (virtual shards stay whole on one replica)."""
-    return NamedSharding(mesh, PartitionSpec(DATA_AXIS))
+    """Rows of the global batch are split over the data x fsdp grid, data-major (a virtual shard
+    stays whole on one grid device); devices along `tensor` hold the same rows."""
+    return NamedSharding(mesh, PartitionSpec((DATA_AXIS, FSDP_AXIS)))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import jax
 import optax
 
+from resilient_jax import reduce
 from resilient_jax.config import OptimizerConfig
 
 
@@ -51,6 +52,20 @@ def _decay_mask(params):
     return jax.tree.map(lambda p: p.ndim >= 2, params)
 
 
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+    """optax.clip_by_global_norm (same formula, same empty state), with the norm taken by
+    reduce.global_norm so that its bits do not depend on how the gradients are sharded."""
+
+    def update(updates, state, params=None):
+        del params
+        g_norm = reduce.global_norm(updates)
+        trigger = g_norm < max_norm
+        return jax.tree.map(lambda t: jax.lax.select(trigger, t, (t / g_norm.astype(t.dtype)) * max_norm),
+                            updates), state
+
+    return optax.GradientTransformation(optax.init_empty_state, update)
+
+
 def _base_optimizer(cfg: OptimizerConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
     if cfg.name == "adamw":
         return optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
@@ -69,5 +84,5 @@ def _base_optimizer(cfg: OptimizerConfig, schedule: optax.Schedule) -> optax.Gra
 def build_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTransformation:
     base = _base_optimizer(cfg, lr_schedule(cfg, total_steps))
     if cfg.clip_norm > 0:
-        return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), base)
+        return optax.chain(clip_by_global_norm(cfg.clip_norm), base)
     return base

@@ -111,8 +111,9 @@ class Trainer:
         self.faults = faults_lib.parse_faults(cfg.faults)
         self.mesh = mesh_lib.build_mesh(cfg.parallel, devices)
         self.plan = step_lib.make_shard_plan(
-            cfg.data.global_batch, cfg.parallel.virtual_shards, self.mesh.shape[mesh_lib.DATA_AXIS]
+            cfg.data.global_batch, cfg.parallel.virtual_shards, mesh_lib.grid_size(self.mesh)
         )
+        mesh_lib.check_model_layout(cfg.model, dict(self.mesh.shape))
         self.manifest = resolve_dataset(cfg.data, verified_dataset)
         self.model_def = state_lib.make_model_def(cfg.model, cfg.task.import_dir)
         if not self.model_def.builtin:
@@ -139,12 +140,20 @@ class Trainer:
     # -- batch placement ------------------------------------------------------------------------
 
     def local_rows(self) -> tuple[int, int]:
-        """[lo, hi) of the padded global batch held by this process's replicas (contiguous)."""
-        replicas = sorted(
-            {idx[0] for idx, d in np.ndenumerate(self.mesh.devices) if d.process_index == jax.process_index()}
+        """[lo, hi) of the padded global batch held by this process's devices (contiguous).
+
+        Rows go to the data x fsdp grid, data-major: grid device (d, f) holds block d*fsdp + f.
+        """
+        fsdp = self.mesh.shape[mesh_lib.FSDP_AXIS]
+        grid = sorted(
+            {idx[0] * fsdp + idx[1] for idx, d in np.ndenumerate(self.mesh.devices)
+             if d.process_index == jax.process_index()}
         )
-        rows_per_replica = self.plan.shards_per_replica * self.plan.rows_per_shard
-        return replicas[0] * rows_per_replica, (replicas[-1] + 1) * rows_per_replica
+        rows_per_device = self.plan.shards_per_device * self.plan.rows_per_shard
+        if grid != list(range(grid[0], grid[-1] + 1)):
+            raise ValueError(f"this process's devices are not contiguous on the data x fsdp grid ({grid}); "
+                             "order parallel.data/fsdp so that each host's devices are adjacent")
+        return grid[0] * rows_per_device, (grid[-1] + 1) * rows_per_device
 
     def _place(self, batch: data_lib.Batch, padded_rows: tuple[int, int]) -> tuple[jax.Array, jax.Array]:
         """Host rows -> global arrays; rows of padding shards get zero tokens and zero weight."""
@@ -193,9 +202,10 @@ class Trainer:
             assert batch.step == step, (batch.step, step)
             tokens, weights = self._place(batch, self.local_rows())
             result = self.compute(params, tokens, weights, np.int32(step))
-            shard_finite = np.asarray(result.shard_finite)
+            # The step's one host readback: finiteness and loss together (both replicated).
+            shard_finite, loss = jax.device_get((result.shard_finite, result.loss))
             if shard_finite.all():
-                return result
+                return result.replace(loss=loss)
             for record in self._quarantine(loader, step, shard_finite, np.asarray(result.row_finite)):
                 totals.quarantines.append(record)
                 log.event(record.to_dict())

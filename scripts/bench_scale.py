@@ -71,7 +71,7 @@ def build_step(cfg, mesh):
     from resilient_jax import step as step_lib
     from resilient_jax.optimizer import build_optimizer, lr_schedule
 
-    grid = mesh_lib.grid_size(mesh) if hasattr(mesh_lib, "grid_size") else mesh.shape[mesh_lib.DATA_AXIS]
+    grid = mesh_lib.grid_size(mesh)
     plan = step_lib.make_shard_plan(cfg.data.global_batch, cfg.parallel.virtual_shards, grid)
     model_def = state_lib.make_model_def(cfg.model)
     tx = build_optimizer(cfg.optimizer, cfg.train.steps)

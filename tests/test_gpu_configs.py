@@ -106,9 +106,7 @@ def test_46node_config_topology_is_its_mesh_and_an_fsdp_group_is_one_node():
 
 def _plan_devices(mesh) -> int:
     """How many devices the shard plan spreads shards over, as the Trainer counts them."""
-    if hasattr(mesh_lib, "grid_size"):
-        return mesh_lib.grid_size(mesh)
-    return mesh.shape["data"]
+    return mesh_lib.grid_size(mesh)
 
 
 @pytest.mark.parametrize("name", sorted(GPU_CONFIGS))

@@ -58,3 +58,22 @@ def test_state_is_born_sharded_on_fsdp_and_tensor():
     expected = state_shardings(model_def, tx, mesh)
     mu = state.opt_state[1][0].mu["blocks"][0]["attn"]["wq"]
     assert mu.sharding.spec == expected.params["blocks"][0]["attn"]["wq"].spec
+
+
+def test_batch_rows_split_over_the_data_x_fsdp_grid():
+    mesh = mesh_lib.build_mesh(ParallelConfig(data=2, fsdp=2, tensor=2))
+    assert mesh_lib.grid_size(mesh) == 4
+    sharding = mesh_lib.batch_sharding(mesh)
+    assert sharding.spec == P(("data", "fsdp"))
+    # Grid device (d, f) holds row block d*fsdp + f; its tensor pair holds the same rows.
+    blocks = {d.id: idx[0].start // 2 for d, idx in sharding.devices_indices_map((8, 3)).items()}
+    grid = mesh.devices
+    for d in range(2):
+        for f in range(2):
+            assert {blocks[dev.id] for dev in grid[d, f]} == {d * 2 + f}
+
+
+def test_manual_specs_keep_only_the_named_axes():
+    assert mesh_lib.keep_axes(P("fsdp", "tensor", None), {"data", "fsdp"}) == P("fsdp", None, None)
+    assert mesh_lib.axis_position(P(None, "fsdp"), "fsdp") == 1
+    assert mesh_lib.axis_position(P("tensor"), "fsdp") == -1

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -88,4 +90,85 @@ def test_batch_not_divisible_into_virtual_shards_is_refused(global_batch, shards
 
 def test_replicas_that_do_not_divide_the_shards_get_padding():
     plan = step_lib.make_shard_plan(48, 24, 5)
-    assert (plan.padded_shards, plan.shards_per_replica, plan.padded_rows) == (25, 5, 50)
+    assert (plan.padded_shards, plan.shards_per_device, plan.padded_rows) == (25, 5, 50)
+
+
+def _compute_on(data: int, fsdp: int, mode: str = "invariant"):
+    from resilient_jax.config import load_config
+
+    cfg = load_config(TINY)
+    model_def = state_lib.make_model_def(cfg.model)
+    tx = build_optimizer(cfg.optimizer, cfg.train.steps)
+    mesh = mesh_lib.build_mesh(ParallelConfig(data=data, fsdp=fsdp))
+    plan = step_lib.make_shard_plan(cfg.data.global_batch, cfg.parallel.virtual_shards, data * fsdp)
+    params = state_lib.init_state(model_def, tx, mesh, cfg.train.seed).params
+    return params, step_lib.make_compute(model_def, mesh, plan, seed=0, mode=mode, use_dropout=True)
+
+
+def _host(tree):
+    return [np.asarray(x) for x in jax.tree.leaves(tree)]
+
+
+def test_exact_reduction_requantises_far_apart_shards_and_stays_layout_free():
+    tokens, weights = next(_batches(1))
+    # Shard 3's loss weight 2^-40: its gradients lie ~40 bits below the others', more than pass 1's
+    # spread allows, so the step must take pass 2 (fixed exponents) -- on every layout alike.
+    weights[6:8] = 2.0 ** -40
+    results = {}
+    for data, fsdp in ((8, 1), (2, 4)):
+        params, compute = _compute_on(data, fsdp)
+        results[data, fsdp] = compute(params, tokens, weights, np.int32(0))
+    a, b = results[8, 1], results[2, 4]
+    assert int(a.passes) == 2 and int(b.passes) == 2
+    for x, y in zip(_host(a.grads), _host(b.grads)):
+        np.testing.assert_array_equal(x, y)
+    params, native = _compute_on(8, 1, "native")
+    for x, y in zip(_host(a.grads), _host(native(params, tokens, weights, np.int32(0)).grads)):
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-7)
+
+
+def test_exact_reduction_matches_the_float_sum_and_takes_one_pass_on_ordinary_shards():
+    tokens, weights = next(_batches(1))
+    params, exact = _compute_on(2, 4)
+    _, native = _compute_on(2, 4, "native")
+    a, b = exact(params, tokens, weights, np.int32(0)), native(params, tokens, weights, np.int32(0))
+    assert int(a.passes) == 1
+    assert float(a.loss) == float(b.loss)  # the loss sum is ordered in both modes
+    for x, y in zip(_host(a.grads), _host(b.grads)):
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-7)
+    # Gradients come back sharded like the params: fsdp shards, replicated over data.
+    wq = a.grads["blocks"][0]["attn"]["wq"]
+    assert wq.sharding.spec == params["blocks"][0]["attn"]["wq"].sharding.spec
+
+
+@pytest.mark.parametrize("parallel, message", [
+    (ParallelConfig(data=2, tensor=3),
+     r"parallel.tensor \(3\) must divide model.n_heads \(4\); use a tensor size in \[1, 2, 4\]"),
+    (ParallelConfig(data=1, fsdp=3), r"parallel.fsdp \(3\) must divide model.d_model \(64\)"),
+])
+def test_layout_that_cannot_split_the_model_is_refused_before_compiling(parallel, message):
+    from resilient_jax.config import load_config
+
+    cfg = load_config(TINY)
+    mesh = mesh_lib.build_mesh(parallel)
+    plan = step_lib.make_shard_plan(cfg.data.global_batch, cfg.parallel.virtual_shards, mesh_lib.grid_size(mesh))
+    with pytest.raises(ValueError, match=message):
+        step_lib.make_compute(state_lib.make_model_def(cfg.model), mesh, plan, seed=0, mode="invariant",
+                              use_dropout=True)
+
+
+_TUPLE_COLLECTIVE = re.compile(r"=\s*\((?:[^()]|\([^()]*\))*\)\s+(all-reduce|all-gather|reduce-scatter|all-to-all)\(")
+_COLLECTIVE = re.compile(r"\s(all-reduce|all-gather|reduce-scatter|all-to-all)\(")
+
+
+@pytest.mark.parametrize("mode", ["invariant", "native"])
+def test_every_collective_of_the_step_has_one_operand(mode):
+    # XLA:CPU runs a variadic collective's operands as consecutive gloo operations and starts the
+    # next even after one failed; a survivor of a dead peer then sent a larger chunk into a peer's
+    # smaller posted receive and gloo aborted that peer (a second host lost for one fault).
+    # Packed into one buffer per collective, a failed operation is the last one a program starts.
+    tokens, weights = next(_batches(1))
+    params, compute = _compute_on(4, 2, mode)
+    hlo = compute.lower(params, tokens, weights, np.int32(0)).compile().as_text()
+    assert len(_COLLECTIVE.findall(hlo)) >= 3  # gather params, reduce grads, gather shard stats
+    assert [m.group(0)[:200] for m in _TUPLE_COLLECTIVE.finditer(hlo)] == []

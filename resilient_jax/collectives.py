@@ -1,0 +1,109 @@
+"""Tree collectives as ONE single-operand collective each, for use inside shard_map.
+
+Why: a collective over a tree (`lax.psum(tree)`, or per-leaf collectives that XLA's combiners
+merge) compiles to one variadic all-reduce / all-gather. XLA:CPU runs the operands of such an op
+as consecutive gloo operations and, when one fails, still starts the next ones
+(AllReduceThunk issues every operand and only counts errors down). On a survivor of a dead peer that
+means: operand i failed, yet operand i+1's chunks go out on the healthy connections, where a peer
+still inside operand i has posted receives of operand i's size. A larger chunk on a smaller posted
+receive aborts the peer inside gloo ("op.preamble.length <= op.nbytes ... collective mismatch"),
+killing a second host for one fault. With one operand per collective, the failed operation is the
+last one the program starts: the thunk fails, the rest of the program is skipped.
+
+Packing is exact (concatenate and split; no arithmetic), and each element's reduction is the same
+as in a per-leaf collective, so integer sums are bit-identical either way.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def _flat_concat(leaves) -> jax.Array:
+    return jnp.concatenate([x.reshape(-1) for x in leaves]) if leaves else None
+
+
+def _split(flat: jax.Array, shapes) -> list[jax.Array]:
+    out, start = [], 0
+    for shape in shapes:
+        size = math.prod(shape)
+        out.append(lax.slice_in_dim(flat, start, start + size).reshape(shape))
+        start += size
+    return out
+
+
+def pmax(tree, axes):
+    """`lax.pmax(tree, axes)` as one all-reduce (every leaf of one dtype)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    flat = lax.pmax(_flat_concat(leaves), axes)
+    return jax.tree.unflatten(treedef, _split(flat, [x.shape for x in leaves]))
+
+
+def sum_scatter(tree, scatter_dims, *, fsdp_axis: str, fsdp_size: int, data_axis: str):
+    """Per leaf: sum over `fsdp_axis`, scattered (tiled) along its `scatter_dims` entry (-1: kept
+    whole), then summed over `data_axis` -- as at most three single-operand collectives
+    (reduce-scatter over fsdp, all-reduce over fsdp, all-reduce over data). Leaves share one dtype."""
+    leaves, treedef = jax.tree.flatten(tree)
+    dims = treedef.flatten_up_to(scatter_dims)
+    scattered = [i for i, d in enumerate(dims) if d >= 0]
+    whole = [i for i, d in enumerate(dims) if d < 0]
+
+    def local_shape(i):
+        shape = list(leaves[i].shape)
+        if dims[i] >= 0:
+            shape[dims[i]] //= fsdp_size
+        return shape
+
+    parts = []
+    if scattered:
+        # Row r of each leaf's (fsdp, -1) view is the block device r keeps (tiled scatter order).
+        rows = jnp.concatenate(
+            [jnp.moveaxis(leaves[i], dims[i], 0).reshape(fsdp_size, -1) for i in scattered], axis=1)
+        if fsdp_size > 1:
+            rows = lax.psum_scatter(rows, fsdp_axis, scatter_dimension=0, tiled=True)
+        parts.append(rows.reshape(-1))
+    if whole:
+        flat = _flat_concat([leaves[i] for i in whole])
+        parts.append(lax.psum(flat, fsdp_axis) if fsdp_size > 1 else flat)
+    summed = lax.psum(jnp.concatenate(parts) if len(parts) > 1 else parts[0], data_axis)
+
+    order = scattered + whole
+    moved_shapes = []
+    for i in order:
+        shape = local_shape(i)
+        if dims[i] >= 0:  # split off in moved-axis layout, moved back below
+            shape = [shape[dims[i]]] + [s for k, s in enumerate(shape) if k != dims[i]]
+        moved_shapes.append(shape)
+    out = [None] * len(leaves)
+    for i, x in zip(order, _split(summed, moved_shapes)):
+        out[i] = jnp.moveaxis(x, 0, dims[i]) if dims[i] >= 0 else x
+    return jax.tree.unflatten(treedef, out)
+
+
+def gather(tree, gather_dims, *, axis: str, size: int):
+    """Per leaf: `lax.all_gather(x, axis, axis=dim, tiled=True)` (dim -1: left as is), as one
+    all-gather per dtype."""
+    leaves, treedef = jax.tree.flatten(tree)
+    dims = treedef.flatten_up_to(gather_dims)
+    out = list(leaves)
+    if size > 1:
+        by_dtype: dict = {}
+        for i, d in enumerate(dims):
+            if d >= 0:
+                by_dtype.setdefault(jnp.dtype(leaves[i].dtype), []).append(i)
+        for indices in by_dtype.values():
+            moved = [jnp.moveaxis(leaves[i], dims[i], 0) for i in indices]
+            row = jnp.concatenate([m.reshape(1, -1) for m in moved], axis=1)
+            rows = lax.all_gather(row, axis, axis=0, tiled=True)  # (size, M): row r from device r
+            start = 0
+            for i, m in zip(indices, moved):
+                width = math.prod(m.shape)
+                block = lax.slice_in_dim(rows, start, start + width, axis=1)
+                start += width
+                full = block.reshape((size * m.shape[0],) + m.shape[1:])
+                out[i] = jnp.moveaxis(full, 0, dims[i])
+    return jax.tree.unflatten(treedef, out)
