@@ -2,19 +2,17 @@
 
 Every replica holds a full copy of the state (DESIGN invariant 3), so `to_host` can always rebuild
 each array from this process's own shards, and a re-formed world needs nothing from disk.
-`broadcast` sends one member's copy to all: floats travel bit-cast to unsigned integers so the
-underlying psum (source's bits + zeros from everyone else) is exact -- a float psum would turn
--0.0 into +0.0 and change the fingerprint.
-Cost: one state-sized collective per re-formation; host memory holds one copy of the state.
+`broadcast` sends one member's copy to all as one buffer of bytes, so the underlying psum
+(source's bytes + zeros from everyone else) is exact -- a float psum would turn -0.0 into +0.0 and
+change the fingerprint.
+Cost: one state-sized collective per re-formation; host memory holds two copies of the state
+while it runs (the state and its packed bytes).
 """
 
 from __future__ import annotations
 
 import jax
 import numpy as np
-
-_UINT_OF_WIDTH = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-
 
 def _leaf_to_host(leaf) -> np.ndarray:
     if not isinstance(leaf, jax.Array):
@@ -41,12 +39,16 @@ def broadcast(host_tree, *, is_source: bool):
     """Every process returns the source process's `host_tree` (same structure and shapes everywhere)."""
     from jax.experimental import multihost_utils
 
-    def as_bits(x: np.ndarray) -> np.ndarray:
-        x = np.ascontiguousarray(x)
-        return x.view(_UINT_OF_WIDTH[x.dtype.itemsize]) if x.dtype.kind in "fc" or x.dtype.kind == "V" else x
-
     leaves, treedef = jax.tree.flatten(host_tree)
-    bits = [as_bits(np.asarray(x)) for x in leaves]
-    received = multihost_utils.broadcast_one_to_all(bits, is_source=is_source)
-    out = [np.asarray(r).view(np.asarray(x).dtype).reshape(np.shape(x)) for r, x in zip(received, leaves)]
+    arrays = [np.ascontiguousarray(np.asarray(x)) for x in leaves]
+    # ONE buffer of bytes, not a list of leaves: a list compiles to one multi-operand collective,
+    # which XLA:CPU runs as consecutive gloo operations that go on after one fails -- a member dying
+    # mid-adoption then lets survivors drift into different operands, and gloo kills them
+    # (resilient_jax/collectives.py says more). Costs one extra host copy of the state.
+    packed = np.concatenate([a.reshape(-1).view(np.uint8) for a in arrays]) if arrays else np.zeros(0, np.uint8)
+    received = np.asarray(multihost_utils.broadcast_one_to_all(packed, is_source=is_source))
+    out, offset = [], 0
+    for a in arrays:
+        out.append(received[offset:offset + a.nbytes].view(a.dtype).reshape(a.shape))
+        offset += a.nbytes
     return jax.tree.unflatten(treedef, out)
