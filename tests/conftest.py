@@ -21,8 +21,9 @@ os.environ.setdefault("RESILIENT_JAX_CACHE", tempfile.mkdtemp(prefix="rj-test-ca
 # Every run a test starts with runtime.compile_cache "auto" (the default) shares one persistent
 # compile cache, so each distinct program (model x mesh x world size) compiles once per session
 # instead of once per run and per re-formed world. Loading a cached executable does not change the
-# bits; the fault-free references below run in this process, which enables no cache, so they compile
-# afresh and a cache that changed the trajectory would fail every fingerprint comparison.
+# bits: the fault-free references below run in this process, where no cache is enabled unless a test
+# ran `train.main` in-process first, so they normally compile afresh, and the elastic runs that load
+# from the cache must still end on their fingerprints.
 os.environ.setdefault("RESILIENT_JAX_COMPILE_CACHE", tempfile.mkdtemp(prefix="rj-test-compile-cache-"))
 
 import jax  # noqa: E402  (after the environment is set)
