@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -19,16 +20,26 @@ TINY = REPO / "configs" / "tiny.yaml"
 # Datasets built by the tests live in one cache per test session, never in the user's cache.
 os.environ.setdefault("RESILIENT_JAX_CACHE", tempfile.mkdtemp(prefix="rj-test-cache-"))
 # Every run a test starts with runtime.compile_cache "auto" (the default) shares one persistent
-# compile cache, so each distinct program (model x mesh x world size) compiles once per session
-# instead of once per run and per re-formed world. Loading a cached executable does not change the
-# bits: the fault-free references below run in this process, where no cache is enabled unless a test
-# ran `train.main` in-process first, so they normally compile afresh, and the elastic runs that load
-# from the cache must still end on their fingerprints.
-os.environ.setdefault("RESILIENT_JAX_COMPILE_CACHE", tempfile.mkdtemp(prefix="rj-test-compile-cache-"))
+# compile cache, so each distinct program (config incl. train.steps, whose lr schedule is compiled
+# in; mesh; world size) compiles once per session instead of once per run and per re-formed world.
+# Loading a cached executable does not change the bits: the fault-free references below run in this
+# process, where no cache is enabled unless a test ran `train.main` in-process first, so they
+# normally compile afresh, and the elastic runs that load from the cache must still end on their
+# fingerprints.
+if not os.environ.get("RESILIENT_JAX_COMPILE_CACHE"):  # a CI job may point it at a kept directory
+    _SESSION_COMPILE_CACHE = tempfile.mkdtemp(prefix="rj-test-compile-cache-")
+    os.environ["RESILIENT_JAX_COMPILE_CACHE"] = _SESSION_COMPILE_CACHE
+else:
+    _SESSION_COMPILE_CACHE = None
 
 import jax  # noqa: E402  (after the environment is set)
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _SESSION_COMPILE_CACHE is not None:  # made for this session: nothing else reads it later
+        shutil.rmtree(_SESSION_COMPILE_CACHE, ignore_errors=True)
 
 
 def tiny_config(run_dir: Path, *overrides: str):
