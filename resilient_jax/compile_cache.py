@@ -6,15 +6,17 @@ disk survives `clear_backends`, so a world size this run (or any run sharing the
 compiled before is loaded instead of compiled. JAX writes entries atomically (temp file + rename),
 so the processes of one world, and several runs, may share a directory.
 
-Measured limit (jax 0.10.2, CPU, gloo, one process per host): the cache key hashes the compile
-options and the accelerator config, and both differ between the processes of one world, while
-only process 0 writes entries. So in a multi-process world only rank 0 loads its step from the
-cache; the other ranks compile (cpu-4host rerun: rank 0 7.3 s from the cache, ranks 1-3 50-54 s).
-Each worker logs its own line; the metrics.jsonl `compile` event is rank 0's.
+Every process of a world loads the same entry: JAX (0.10.2) writes entries from process 0 only,
+and keys them on, among others, a fingerprint of the devices' topology, which on CPU describes the
+calling process's own devices -- so each rank of a gloo world computed a different key and only
+rank 0 ever hit (measured: cpu-4host rerun, rank 0 7.3 s from the cache, ranks 1-3 compiling for
+50-54 s). `enable` makes that part of the key the same on every rank (see `_same_key_on_every_rank`).
+Each worker logs its own compile line; the metrics.jsonl `compile` event is rank 0's.
 
-`runtime.compile_cache`: "auto" = <run.dir>/compile_cache; "" or "off" = no persistent cache; any
-other value = that directory (e.g. one shared by several runs). An unwritable directory is a
-warning, not an error: the run compiles as it would without the cache.
+`runtime.compile_cache`: "auto" = $RESILIENT_JAX_COMPILE_CACHE if set (one directory for every run
+of a user, a CI job or a test session), else <run.dir>/compile_cache; "" or "off" = no persistent
+cache; any other value = that directory (e.g. one shared by several runs). An unwritable
+directory is a warning, not an error: the run compiles as it would without the cache.
 
 Hits are counted from JAX's own monitoring events: `compile_requests_use_cache` (a compile that
 looked in the cache) and `cache_hits`; a miss is a request without a hit. (JAX's own
@@ -24,6 +26,7 @@ writes, so it cannot be counted on the other processes.)
 
 from __future__ import annotations
 
+import os
 import tempfile
 import threading
 import time
@@ -33,6 +36,7 @@ from pathlib import Path
 AUTO = "auto"
 DISABLED = ("", "off")
 SUBDIR = "compile_cache"  # under run.dir, for "auto"
+ENV = "RESILIENT_JAX_COMPILE_CACHE"  # where "auto" points when set
 
 REQUEST_EVENT = "/jax/compilation_cache/compile_requests_use_cache"
 HIT_EVENT = "/jax/compilation_cache/cache_hits"
@@ -42,7 +46,9 @@ def cache_dir(setting: str, run_dir: str) -> Path | None:
     """The directory `runtime.compile_cache` names, or None when the cache is off."""
     if setting in DISABLED:
         return None
-    return Path(run_dir) / SUBDIR if setting == AUTO else Path(setting)
+    if setting != AUTO:
+        return Path(setting)
+    return Path(os.environ[ENV]) if os.environ.get(ENV) else Path(run_dir) / SUBDIR
 
 
 def unwritable_reason(path: Path) -> str | None:
@@ -101,8 +107,39 @@ def enable(setting: str, run_dir: str) -> CacheSetup:
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    _same_key_on_every_rank()
     COUNTER.install()
     return CacheSetup(path)
+
+
+def _same_key_on_every_rank() -> None:
+    """Key a CPU program's cache entry on facts every rank of the world shares, so ranks 1..N-1
+    load the entry rank 0 wrote instead of compiling (JAX writes from process 0 only).
+
+    JAX hashes `xla_client.get_topology_for_devices(devices).fingerprint()`, which on CPU differs
+    per process (the topology of the calling process's devices) -- no config flag changes that in
+    0.10.2; `jax_share_binary_between_hosts` needs equal keys too. For CPU devices we hash instead
+    each device's kind and owning process, in order: the same on every rank, and a layout of the
+    same devices over other processes still gets another key (the compile options, also hashed,
+    carry the device assignment). Other platforms keep JAX's hash. Private API
+    (jax._src.cache_key._hash_accelerator_config / _hash_devices): tests/test_private_apis.py fails
+    when it moves; tests/test_compile_cache.py checks two ranks get one key and both hit.
+    """
+    from jax._src import cache_key
+
+    jax_hash = cache_key._hash_accelerator_config
+    if getattr(jax_hash, "resilient_jax", False):
+        return  # already in place (enable runs once per world formation)
+
+    def hash_accelerator_config(hash_obj, accelerators):
+        devices = list(accelerators.flat)
+        if not all(d.platform == "cpu" for d in devices):
+            return jax_hash(hash_obj, accelerators)
+        for device in devices:
+            cache_key._hash_string(hash_obj, f"{device.device_kind}@process{device.process_index}")
+
+    hash_accelerator_config.resilient_jax = True
+    cache_key._hash_accelerator_config = hash_accelerator_config
 
 
 class CacheCounter:

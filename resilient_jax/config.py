@@ -311,8 +311,9 @@ class RuntimeConfig:
     # Fewer live hosts than this ends the run with an error instead of continuing.
     min_hosts: int = 1
     # JAX's persistent compilation cache, so a re-formed world loads its step instead of compiling
-    # it: "auto" = <run.dir>/compile_cache; "" or "off" = none; any other value = that directory
-    # (may be shared by runs). Not writable: a warning, and the run compiles uncached.
+    # it: "auto" = $RESILIENT_JAX_COMPILE_CACHE if set, else <run.dir>/compile_cache; "" or "off" =
+    # none; any other value = that directory (may be shared by runs). Not writable: a warning, and
+    # the run compiles uncached.
     compile_cache: str = "auto"
 
 

@@ -1,9 +1,11 @@
-"""Test-wide setup: 8 emulated CPU devices (before JAX initialises), a private dataset cache, helpers."""
+"""Test-wide setup: 8 emulated CPU devices (before JAX initialises), a private dataset cache, one
+compile cache for the session, the fault-free reference runs, helpers."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -17,10 +19,27 @@ TINY = REPO / "configs" / "tiny.yaml"
 
 # Datasets built by the tests live in one cache per test session, never in the user's cache.
 os.environ.setdefault("RESILIENT_JAX_CACHE", tempfile.mkdtemp(prefix="rj-test-cache-"))
+# Every run a test starts with runtime.compile_cache "auto" (the default) shares one persistent
+# compile cache, so each distinct program (config incl. train.steps, whose lr schedule is compiled
+# in; mesh; world size) compiles once per session instead of once per run and per re-formed world.
+# Loading a cached executable does not change the bits: the fault-free references below run in this
+# process, where no cache is enabled unless a test ran `train.main` in-process first, so they
+# normally compile afresh, and the elastic runs that load from the cache must still end on their
+# fingerprints.
+if not os.environ.get("RESILIENT_JAX_COMPILE_CACHE"):  # a CI job may point it at a kept directory
+    _SESSION_COMPILE_CACHE = tempfile.mkdtemp(prefix="rj-test-compile-cache-")
+    os.environ["RESILIENT_JAX_COMPILE_CACHE"] = _SESSION_COMPILE_CACHE
+else:
+    _SESSION_COMPILE_CACHE = None
 
 import jax  # noqa: E402  (after the environment is set)
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _SESSION_COMPILE_CACHE is not None:  # made for this session: nothing else reads it later
+        shutil.rmtree(_SESSION_COMPILE_CACHE, ignore_errors=True)
 
 
 def tiny_config(run_dir: Path, *overrides: str):
@@ -87,3 +106,22 @@ def default_dataset():
     from resilient_jax.trainer import resolve_dataset
 
     return resolve_dataset(DataConfig())
+
+
+@pytest.fixture(scope="session")
+def fault_free(tmp_path_factory, default_dataset):
+    """`fault_free(*overrides)`: the summary of the uninterrupted tiny run with those overrides, in
+    this process on 8 devices -- the trajectory every host count and fault must end on (invariant
+    reduction). Computed once per session for each distinct list of overrides, as several modules
+    compare against the same one."""
+    from resilient_jax.trainer import Trainer
+
+    runs: dict[tuple[str, ...], dict] = {}
+
+    def summary(*overrides: str) -> dict:
+        if overrides not in runs:
+            cfg = tiny_config(tmp_path_factory.mktemp("fault-free"), *overrides)
+            runs[overrides] = Trainer(cfg, devices=jax.devices()[:8]).run()
+        return runs[overrides]
+
+    return summary

@@ -4,6 +4,7 @@ later world formations (trainer.resolve_dataset with `verified`)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +20,8 @@ from resilient_jax.trainer import resolve_dataset
 from conftest import REPO, TINY
 
 
-def test_setting_names_the_directory(tmp_path):
+def test_setting_names_the_directory(tmp_path, monkeypatch):
+    monkeypatch.delenv(compile_cache.ENV, raising=False)  # the test session sets one
     assert compile_cache.cache_dir("auto", str(tmp_path)) == tmp_path / "compile_cache"
     assert compile_cache.cache_dir("", str(tmp_path)) is None
     assert compile_cache.cache_dir("off", str(tmp_path)) is None
@@ -100,11 +102,71 @@ print(json.dumps({"path": str(setup.path), **record.to_event()}))
 @pytest.mark.slow
 def test_a_second_process_loads_the_program_from_the_cache(tmp_path):
     def compile_in_new_process() -> dict:
+        env = {k: v for k, v in os.environ.items() if k != compile_cache.ENV}  # "auto" = <run.dir>/compile_cache
         proc = subprocess.run([sys.executable, "-c", _COMPILE_ONCE, "auto", str(tmp_path)], capture_output=True,
-                              text=True, cwd=REPO, timeout=300, check=True)
+                              text=True, cwd=REPO, timeout=300, check=True, env=env)
         return json.loads(proc.stdout.strip().splitlines()[-1])
 
     first, second = compile_in_new_process(), compile_in_new_process()
     assert first["path"] == str(tmp_path / "compile_cache")
     assert first["cache_misses"] >= 1 and first["cache_hits"] == 0 and not first["cache_hit"]
     assert second["cache_hit"] and second["cache_misses"] == 0
+
+
+def test_auto_names_the_shared_directory_when_the_environment_sets_one(tmp_path, monkeypatch):
+    monkeypatch.setenv(compile_cache.ENV, str(tmp_path / "shared"))
+    assert compile_cache.cache_dir("auto", str(tmp_path)) == tmp_path / "shared"
+    assert compile_cache.cache_dir("/other", str(tmp_path)) == Path("/other")  # explicit beats the env
+    assert compile_cache.cache_dir("off", str(tmp_path)) is None
+    monkeypatch.setenv(compile_cache.ENV, "")
+    assert compile_cache.cache_dir("auto", str(tmp_path)) == tmp_path / "compile_cache"
+
+
+_COMPILE_IN_A_WORLD = """
+import json, sys
+import jax
+jax.config.update("jax_num_cpu_devices", 2)
+from resilient_jax import compile_cache
+compile_cache.enable(sys.argv[1], "unused")
+jax.distributed.initialize(sys.argv[2], 2, int(sys.argv[3]))
+import numpy as np
+import jax.numpy as jnp
+from jax._src import cache_key
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+mesh = Mesh(np.array(jax.devices()), ("data",))  # 4 devices over 2 processes: a gloo program
+x = jax.make_array_from_callback((8, 4), NamedSharding(mesh, P("data")), lambda i: np.arange(32.0).reshape(8, 4)[i])
+total = jax.jit(lambda x: jnp.sum(jnp.tanh(x)), out_shardings=NamedSharding(mesh, P()))
+keys = []
+original_get = cache_key.get
+cache_key.get = lambda *a, **k: keys.append(original_get(*a, **k)) or keys[-1]
+record = compile_cache.timed_compile(lambda: total.lower(x).compile())
+value = float(total(x))
+print(json.dumps({"key": keys[-1], "value": value, **record.to_event()}))
+jax.distributed.shutdown()
+"""
+
+
+@pytest.mark.slow
+def test_every_rank_of_a_world_loads_the_program_rank_0_cached(tmp_path):
+    """JAX writes entries from process 0 only; rank 1 must compute the same key and load it."""
+    from conftest import free_port
+
+    def world() -> list[dict]:
+        address = f"127.0.0.1:{free_port()}"
+        procs = [subprocess.Popen([sys.executable, "-c", _COMPILE_IN_A_WORLD, str(tmp_path / "cache"), address,
+                                   str(rank)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+                 for rank in range(2)]
+        try:
+            outs = [p.communicate(timeout=300) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+        return [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+
+    cold, warm = world(), world()
+    assert cold[0]["key"] == cold[1]["key"] == warm[0]["key"] == warm[1]["key"]
+    assert not cold[0]["cache_hit"] and not cold[1]["cache_hit"]  # nothing cached yet: both compile
+    assert warm[0]["cache_hit"] and warm[1]["cache_hit"], warm  # rank 1 loads the entry rank 0 wrote
+    assert {r["value"] for r in cold + warm} == {cold[0]["value"]}  # the loaded program computes the same

@@ -18,13 +18,11 @@ import subprocess
 import sys
 import time
 
-import jax
 import pytest
 
 from resilient_jax.checkpoint import reader
-from resilient_jax.trainer import Trainer
 
-from conftest import REPO, read_summary, run_cli, tiny_config
+from conftest import REPO, read_summary, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -38,10 +36,9 @@ HARMLESS_CHANGE = ("--fault", "delay_host:1@25-25:0.2")
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, default_dataset):
+def reference(fault_free):
     """The fault-free trajectory in one process on 8 devices (invariance makes it the elastic one)."""
-    cfg = tiny_config(tmp_path_factory.mktemp("ref"), f"train.steps={STEPS}", "checkpoint.enabled=false")
-    return Trainer(cfg, devices=jax.devices()[:8]).run()["params_fingerprint"]
+    return fault_free(f"train.steps={STEPS}", "checkpoint.enabled=false")["params_fingerprint"]
 
 
 def train_args(run_dir, *extra: str) -> list[str]:

@@ -102,3 +102,17 @@ def test_orbax_manager_finalize_hook_used_by_the_commit_manifest():
     assert "_finalize_checkpoint(step)" in source and "delete_steps" in source
     assert source.index("_wait_for_checkpointers") < source.index("_finalize_checkpoint(step)") < source.index(
         "delete_steps")
+
+
+def test_cache_key_accelerator_hash_replaced_by_the_compile_cache():
+    """resilient_jax/compile_cache.py swaps this function (CPU devices only) so every rank of a
+    world computes rank 0's key: it must still be looked up by name at key time, take
+    (hash_obj, accelerators), and hash the per-process topology we replace."""
+    import inspect
+
+    from jax._src import cache_key
+
+    assert list(inspect.signature(cache_key._hash_accelerator_config).parameters) == ["hash_obj", "accelerators"]
+    assert "get_topology_for_devices" in inspect.getsource(cache_key._hash_accelerator_config)
+    assert "_hash_accelerator_config(hash_obj, devices)" in inspect.getsource(cache_key.get)
+    assert callable(cache_key._hash_string)

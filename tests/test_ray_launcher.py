@@ -16,7 +16,6 @@ import sys
 import time
 from pathlib import Path
 
-import jax
 import pytest
 
 ray = pytest.importorskip("ray")
@@ -24,7 +23,7 @@ ray = pytest.importorskip("ray")
 from resilient_jax.config import ConfigError, load_config  # noqa: E402
 from resilient_jax.elastic.ray_launcher import HOST_RESOURCE, Node, plan_placement  # noqa: E402
 
-from conftest import REPO, read_summary, run_cli, tiny_config  # noqa: E402
+from conftest import REPO, read_summary, run_cli  # noqa: E402
 
 CPU4 = str(REPO / "configs" / "cpu-4host.yaml")
 STEPS = 60
@@ -168,12 +167,9 @@ def test_a_region_short_of_labelled_nodes_fails_before_training(tmp_path, cluste
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, default_dataset):
+def reference(fault_free):
     """The fault-free trajectory, in one process on 8 devices (invariant reduction: any host count)."""
-    cfg = tiny_config(tmp_path_factory.mktemp("ref"), f"train.steps={STEPS}", "checkpoint.enabled=false")
-    from resilient_jax.trainer import Trainer
-
-    return Trainer(cfg, devices=jax.devices()[:8]).run()["params_fingerprint"]
+    return fault_free(f"train.steps={STEPS}", "checkpoint.enabled=false")["params_fingerprint"]
 
 
 def _status(run_dir: Path) -> dict:
