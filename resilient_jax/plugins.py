@@ -22,7 +22,9 @@ def load_callable(spec: str, key: str, import_dir: str = "") -> Callable:
     if not sep or not module_name or not attr:
         raise ConfigError(f"config key {key}: expected \"package.module:name\", got {spec!r}")
     try:
-        with _on_path(import_dir):
+        # The framework's own modules never need the user's directory: importing them with it first
+        # on sys.path would let a stray file there shadow one of their dependencies.
+        with _on_path("" if module_name.split(".")[0] == "resilient_jax" else import_dir):
             module = importlib.import_module(module_name)
     except ImportError as e:
         where = f"task.import_dir {import_dir} and the Python path" if import_dir else "the Python path"

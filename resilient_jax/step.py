@@ -129,12 +129,14 @@ def make_compute(
     manual = {data, fsdp} | ({tensor} if mesh.shape[tensor] == 1 else set())
     use_loss_key = loss_fn is not next_token_cross_entropy
     grad_fn = jax.value_and_grad(_shard_loss_fn(model_def, loss_fn), has_aux=True)
-    S, b, V, Vp = plan.shards_per_device, plan.rows_per_shard, plan.num_shards, plan.padded_shards
+    S, b, V = plan.shards_per_device, plan.rows_per_shard, plan.num_shards
     fsdp_size = mesh.shape[fsdp]
     param_specs = mesh_lib.specs_from_logical(model_def.logical_axes)
     manual_specs = jax.tree.map(lambda spec: mesh_lib.keep_axes(spec, manual), param_specs)
     fsdp_dims = jax.tree.map(lambda spec: mesh_lib.axis_position(spec, fsdp), param_specs)
-    bits = reduce.own_bits(Vp)
+    # Headroom from the REAL shard count: padding shards add exact zeros, and a width that followed
+    # the padded count (a function of the device grid) would make the bits depend on the layout.
+    bits = reduce.own_bits(V)
 
     def shard_grad(params, step, tok, w, v):
         # The model is traced with 32-bit defaults even where the reduction around it is 64-bit.
@@ -191,8 +193,8 @@ def make_compute(
 
             accs, stats = lax.scan(body, zeros, xs)
             lsb, exp = reduce.global_exponents(accs, (data, fsdp))
-            ok = reduce.fits(lsb, exp, Vp)
-            return reduce.fixed_lsb(exp, Vp), ok, accs, lsb, stats, tries + 1
+            ok = reduce.fits(lsb, exp, V)
+            return reduce.fixed_lsb(exp, V), ok, accs, lsb, stats, tries + 1
 
         # Pass 1 always; pass 2 only when pass 1 could have overflowed (the same decision on
         # every device: `ok` comes from exact all-reduces).

@@ -143,10 +143,14 @@ def run_with_preemptions(cmd: list[str], run_dir: Path, sigterms: list[int], log
     again. Returns the exit codes of the invocations (143 for each preemption, then 0)."""
     codes = []
     for target in [*sigterms, None]:
+        before = _last_step(run_dir)  # the step this invocation resumes after
         with open(run_dir.parent / f"{run_dir.name}.invocation-{len(codes)}.log", "w") as out:
             proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            while target is not None and proc.poll() is None and _last_step(run_dir) < target:
+            # A step of THIS invocation first (its signal handlers are in place by then), even when the
+            # previous stop overshot the target.
+            while target is not None and proc.poll() is None and (
+                    _last_step(run_dir) <= before or _last_step(run_dir) < target):
                 time.sleep(0.2)
             if target is not None and proc.poll() is None:
                 log(f"soak: SIGTERM to every process at step {_last_step(run_dir)}")

@@ -167,6 +167,7 @@ def test_every_rank_of_a_world_loads_the_program_rank_0_cached(tmp_path):
 
     cold, warm = world(), world()
     assert cold[0]["key"] == cold[1]["key"] == warm[0]["key"] == warm[1]["key"]
-    assert not cold[0]["cache_hit"] and not cold[1]["cache_hit"]  # nothing cached yet: both compile
+    # Rank 0 compiles (nothing is cached yet); rank 1 may already find rank 0's entry, if it came later.
+    assert not cold[0]["cache_hit"]
     assert warm[0]["cache_hit"] and warm[1]["cache_hit"], warm  # rank 1 loads the entry rank 0 wrote
     assert {r["value"] for r in cold + warm} == {cold[0]["value"]}  # the loaded program computes the same

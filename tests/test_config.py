@@ -69,6 +69,18 @@ def test_the_control_channel_token_is_never_recorded():
     assert with_token.hash == load_config(None, []).hash
 
 
+def test_a_token_recorded_by_an_older_checkpoint_is_not_carried_into_the_history():
+    from resilient_jax.checkpoint.validate import ResumeDecision, _check_config
+
+    now = load_config(None, [])
+    older = now.to_dict()
+    older["runtime"]["token"] = "old-s3cret"  # as configs recorded it before the token was left out
+    decision = ResumeDecision(step=10)
+    _check_config("ckpt", {"hash": "0" * 64, "config": older}, {"hash": now.hash, "config": now.to_dict()}, (),
+                  decision)
+    assert "old-s3cret" not in json.dumps(decision.history.config) and decision.config_changes == []
+
+
 def test_diff_keys_names_changed_keys():
     a = load_config(TINY)
     b = load_config(TINY, ["optimizer.lr=0.1", "train.steps=3"])

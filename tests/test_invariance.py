@@ -43,6 +43,15 @@ def test_uneven_grid_pads_and_stays_invariant(reference, tmp_path):
     assert _train(tmp_path, 5)["params_fingerprint"] == reference["params_fingerprint"]
 
 
+def test_padding_past_a_power_of_two_keeps_the_bits(tmp_path, default_dataset):
+    # 8 virtual shards on a 3-device grid pad to 9: the int64 headroom is sized by the 8 real shards
+    # (padding adds exact zeros), so the quantisation -- and the bits -- equal those of 8 devices.
+    # Sized by the padded count instead, a 46-node run would change its bits on losing one node.
+    a = _train(tmp_path / "a", 8, 1, 1, "parallel.virtual_shards=8", "train.steps=4")
+    b = _train(tmp_path / "b", 3, 1, 1, "parallel.virtual_shards=8", "train.steps=4")
+    assert a["params_fingerprint"] == b["params_fingerprint"]
+
+
 def test_fingerprint_identical_across_layouts_with_tensor_parallelism(reference, tmp_path):
     # tensor=2 splits the matmuls, which changes the bits against tensor=1 -- but not between layouts.
     a = _train(tmp_path, 4, 1, 2)

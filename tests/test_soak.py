@@ -57,11 +57,13 @@ def test_a_schedule_never_targets_a_host_that_is_gone_or_leaves_too_few(seed):
         assert len(alive) >= soak.MIN_HOSTS, f"{what} leaves {len(alive)} of the plan's hosts"
 
 
-def test_a_schedule_that_cannot_fit_is_one_line_naming_the_flag():
+def test_a_schedule_that_cannot_fit_is_one_line_naming_the_flag(tmp_path):
+    out = tmp_path / "soak"
     proc = subprocess.run([sys.executable, "scripts/soak.py", "--seed", "1", "--faults", "30", "--steps", "40",
-                           "--config", "configs/cpu-4host.yaml"], cwd=REPO, capture_output=True, text=True)
+                           "--config", "configs/cpu-4host.yaml", "--out", str(out)], cwd=REPO, capture_output=True,
+                          text=True)
     assert proc.returncode == 2 and proc.stderr.startswith("error: --faults 30 does not fit 40 steps"), proc.stderr
-    assert proc.stderr.count("\n") == 1 and not (REPO / "runs" / "soak-1").exists()
+    assert proc.stderr.count("\n") == 1 and not out.exists()
 
 
 @pytest.mark.slow

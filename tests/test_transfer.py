@@ -40,7 +40,12 @@ def test_broadcast_gives_every_process_the_sources_bytes(tmp_path):
     address = f"127.0.0.1:{free_port()}"
     procs = [subprocess.Popen([sys.executable, str(script), str(rank), address], cwd=REPO, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
-    outs = [p.communicate(timeout=180)[0] for p in procs]
+    try:
+        outs = [p.communicate(timeout=180)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-2000:] for o in outs)
     (source_got, source_own), = re.findall(r"^rank 0 got (\w+) own (\w+)$", outs[0], re.M)
     (other_got, other_own), = re.findall(r"^rank 1 got (\w+) own (\w+)$", outs[1], re.M)

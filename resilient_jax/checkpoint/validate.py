@@ -47,6 +47,9 @@ PLUGIN_LOCATION = ("task.import_dir",)
 OPERATIONAL = ("run.", "checkpoint.", "train.log_every", "data.prefetch", *DATA_LOCATION, *PLUGIN_LOCATION, *LAYOUT)
 
 
+SECRET_KEY = "runtime.token"
+
+
 def is_operational(key: str) -> bool:
     return any(key == p or (p.endswith(".") and key.startswith(p)) for p in OPERATIONAL)
 
@@ -133,6 +136,9 @@ def _check_config(path, saved: dict[str, Any], current: dict[str, Any], allow: S
                   decision: ResumeDecision) -> None:
     allowed = {k.strip() for k in allow if k.strip()}
     changed = diff_keys(saved["config"], current["config"]) if saved["hash"] != current["hash"] else []
+    # A checkpoint written before the token was left out of recorded configs may hold one: it is a
+    # credential, not a setting, so it is neither a change nor copied into the new history.
+    changed = [k for k in changed if k != SECRET_KEY]
     defaults = Config().to_dict()
     added = [k for k in changed
              if _lookup(saved["config"], k) is _ABSENT and _lookup(current["config"], k) == _lookup(defaults, k)]

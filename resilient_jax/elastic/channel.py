@@ -102,22 +102,28 @@ def serve(target: Any, bind: str, port: int, token: str,
                 return self._reply(401, {"error": "wrong or missing token: pass the run's runtime.token"})
             try:
                 length = int(self.headers.get("Content-Length") or 0)
-                if length > MAX_BODY_BYTES:
-                    self.close_connection = True
-                    return self._reply(413, {"error": f"request body of {length} bytes (at most {MAX_BODY_BYTES})"})
-                try:
-                    raw = self.rfile.read(length) if length else b""
-                except OSError:  # a client that went silent mid-body (REQUEST_SECONDS) or vanished
-                    self.close_connection = True
-                    return None
+            except ValueError:
+                return self._reply(400, {"error": "bad request: Content-Length is not a number"})
+            if length > MAX_BODY_BYTES:
+                self.close_connection = True
+                return self._reply(413, {"error": f"request body of {length} bytes (at most {MAX_BODY_BYTES})"})
+            try:
+                raw = self.rfile.read(length) if length else b""
+            except OSError:  # a client that went silent mid-body (REQUEST_SECONDS) or vanished
+                self.close_connection = True
+                return None
+            try:
                 body = json.loads(raw) if raw else {}
-                if not isinstance(body, dict):
-                    raise ValueError("not a JSON object")
+            except ValueError as e:
+                return self._reply(400, {"error": f"bad request to {self.path}: not JSON ({e})"})
+            if not isinstance(body, dict):
+                return self._reply(400, {"error": f"bad request to {self.path}: not a JSON object"})
+            try:
                 result = getattr(target, name)(**body)
                 self._reply(200, result)
             except Refused as e:
                 self._reply(e.code, {"error": e.message})
-            except (TypeError, ValueError) as e:  # unknown fields, a body that is not a JSON object
+            except TypeError as e:  # unknown or missing fields
                 self._reply(400, {"error": f"bad request to {self.path}: {e}"})
 
         def do_GET(self) -> None:  # noqa: N802 (http.server's naming)

@@ -340,7 +340,7 @@ class Worker:
             world_lib.join(world["coordinator"], len(members), rank)  # not under the lock: it waits for peers
         except world_lib.WorldFormationError as e:
             # What this host kept from the last world is unchanged; ask for the next one.
-            self.generation = world["generation"]
+            self.generation = self.heartbeat.generation = world["generation"]
             log.warning("generation %d did not form: %s", self.generation, e)
             world_lib.leave()
             return "failure"

@@ -74,7 +74,8 @@ def join(coordinator: str, num_processes: int, rank: int, *, init_timeout: int =
     try:
         state.client.connect()  # waits for every member
     except RuntimeError as e:
-        state.client = None  # never connected: nothing to shut down
+        # Never connected: nothing to shut down; and no later backend may think it is in that world.
+        state.client, state.coordinator_address, state.process_id, state.num_processes = None, None, 0, 1
         raise WorldFormationError(f"joining the world at {coordinator} as rank {rank} of {num_processes} failed "
                                   f"(a member never arrived): {str(e).splitlines()[0][:200]}") from None
     # As jax.distributed.initialize does: checkpoint preemption handling syncs through it.
