@@ -84,13 +84,22 @@ def sum_scatter(tree, scatter_dims, *, fsdp_axis: str, fsdp_size: int, data_axis
     return jax.tree.unflatten(treedef, out)
 
 
-def gather(tree, gather_dims, *, axis: str, size: int):
+def gather(tree, gather_dims, *, axis: str, size: int, pack: bool = True):
     """Per leaf: `lax.all_gather(x, axis, axis=dim, tiled=True)` (dim -1: left as is), as one
-    all-gather per dtype."""
+    all-gather per dtype -- or, with `pack=False`, one per leaf. Packing flattens each leaf, which
+    drops the automatic (GSPMD) sharding of its other dims: with `tensor` > 1 the gathered weights
+    would come out replicated over `tensor`, the matmuls would no longer be split the same way on
+    every layout, and the bits would differ between (4,1,2) and (2,2,2). So tensor-parallel runs
+    gather per leaf (and keep the multi-operand risk this module exists for; CPU kill tests run
+    with tensor 1)."""
     leaves, treedef = jax.tree.flatten(tree)
     dims = treedef.flatten_up_to(gather_dims)
     out = list(leaves)
-    if size > 1:
+    if size > 1 and not pack:
+        for i, d in enumerate(dims):
+            if d >= 0:
+                out[i] = lax.all_gather(leaves[i], axis, axis=d, tiled=True)
+    elif size > 1:
         by_dtype: dict = {}
         for i, d in enumerate(dims):
             if d >= 0:

@@ -151,7 +151,8 @@ def make_compute(
 
     def per_device(params_local, tokens, weights, step):
         # One all-gather for the whole tree, not one per leaf (resilient_jax.collectives says why).
-        params = collectives.gather(params_local, fsdp_dims, axis=fsdp, size=fsdp_size)
+        params = collectives.gather(params_local, fsdp_dims, axis=fsdp, size=fsdp_size,
+                                    pack=mesh.shape[tensor] == 1)
         grid = lax.axis_index(data) * fsdp_size + lax.axis_index(fsdp)
         xs = (tokens.reshape(S, b, -1), weights.reshape(S, b, -1), grid * S + jnp.arange(S, dtype=jnp.int32))
 
