@@ -308,6 +308,17 @@ class RuntimeConfig:
     straggler_factor: float = 1.5
     # See straggler_factor.
     straggler_window: int = 10
+    # How virtual shards are spread over hosts (resilient_jax.assignment). "proportional": in
+    # proportion to each host's measured speed, re-planned at step boundaries every host computes
+    # alike (the exact reduction keeps every bit; with reduction=native, or on one host, it acts as
+    # uniform). "uniform": the same share for every host.
+    assignment: Literal["proportional", "uniform"] = "proportional"
+    # Steps of measurements under one assignment before it is re-planned.
+    assignment_window: int = 5
+    # A new assignment is taken only if its predicted step time is this fraction below the current one's.
+    assignment_hysteresis: float = 0.1
+    # The most shards a device can hold, as a multiple of its uniform share (its slots; >= 1).
+    max_share: float = 2.0
     # Fewer live hosts than this ends the run with an error instead of continuing.
     min_hosts: int = 1
     # JAX's persistent compilation cache, so a re-formed world loads its step instead of compiling
@@ -448,6 +459,9 @@ RANGES: dict[str, Bound] = {
     "runtime.stall_multiple": _at_least(1),
     "runtime.straggler_factor": Bound(lo=1, lo_open=True),
     "runtime.straggler_window": _at_least(1),
+    "runtime.assignment_window": _at_least(2),
+    "runtime.assignment_hysteresis": _unit_open(),
+    "runtime.max_share": _at_least(1),
     "runtime.min_hosts": _at_least(1),
 }
 

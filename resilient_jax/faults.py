@@ -7,7 +7,9 @@ Spec grammar (one string per fault):
     hang_host:H@STEP          SIGSTOP host H during step STEP (it stops answering, it does not exit)
     join_host@STEP            start one more host once the run reaches step STEP
     delay_host:H@A-B:SECONDS  a latency spike: host H enters each of steps A..B SECONDS late
-    slow_host:H@STEP:FACTOR   a persistent straggler: from STEP on, host H takes FACTOR x its own step time
+    slow_host:H@STEP[-LAST]:FACTOR
+                              a persistent straggler: from STEP on (to LAST), host H's work takes FACTOR x
+                              as long (its extra time scales with the virtual shards it holds)
 
 Host faults are fired by the worker process itself, at the exact step, from a timer thread so
 that the death lands inside the step's collectives. Every injected fault is reported in
@@ -29,8 +31,8 @@ _SPECS = {
     "join_host": (re.compile(r"^join_host@(?P<step>\d+)$"), "join_host@STEP"),
     "delay_host": (re.compile(r"^delay_host:(?P<target>\d+)@(?P<step>\d+)-(?P<until>\d+):(?P<amount>\d+(\.\d*)?)$"),
                    "delay_host:HOST@FIRST-LAST:SECONDS"),
-    "slow_host": (re.compile(r"^slow_host:(?P<target>\d+)@(?P<step>\d+):(?P<amount>\d+(\.\d*)?)$"),
-                  "slow_host:HOST@STEP:FACTOR"),
+    "slow_host": (re.compile(r"^slow_host:(?P<target>\d+)@(?P<step>\d+)(-(?P<until>\d+))?:(?P<amount>\d+(\.\d*)?)$"),
+                  "slow_host:HOST@STEP[-LAST]:FACTOR"),
 }
 
 # Faults whose target is a host index (hN), checked against the run's host plan.
@@ -44,7 +46,7 @@ class Fault:
     kind: str
     target: str | None
     step: int
-    until: int | None = None  # delay_host: last delayed step
+    until: int | None = None  # delay_host, slow_host: last delayed step
     amount: float | None = None  # delay_host: seconds per step; slow_host: factor
 
     def __str__(self) -> str:
@@ -57,7 +59,7 @@ class Fault:
         """Seconds this host waits before entering `step` (delay_host / slow_host)."""
         if self.kind == "delay_host" and self.step <= step <= self.until:
             return self.amount
-        if self.kind == "slow_host" and step >= self.step:
+        if self.kind == "slow_host" and step >= self.step and (self.until is None or step <= self.until):
             return (self.amount - 1.0) * own_step_seconds
         return 0.0
 

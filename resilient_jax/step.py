@@ -7,19 +7,25 @@ If a peer dies inside `compute`, the step-(k-1) state is untouched on every surv
 costs zero steps. `compute` also reports per-virtual-shard finiteness, so a NaN shard is caught
 before `apply` ever sees it.
 
-Batch layout: the global batch has V_padded * b rows; rows [v*b, (v+1)*b) are virtual shard v.
-Shard v is computed on grid device v // S of the data x fsdp grid (data-major), S shards per device.
-Rows of padding shards (v >= V, present only when the grid size does not divide V) carry zero
-loss weight: their gradients are exactly zero and their losses are left out of the sums.
+Batch layout: every device of the data x fsdp grid (data-major) has C slots of b rows each; the
+global batch has G * C * b rows. A `ShardLayout` says which virtual shards each device computes:
+device g holds the `counts[g]` consecutive shards from `starts[g]` in its first slots, and runs
+exactly that many (a loop with a per-device trip count: a device with fewer shards finishes
+sooner, a device with none only joins the collectives). The uniform layout fills devices in
+order with S = ceil(V / G) shards each (C = S); an uneven one (resilient_jax.assignment: faster
+hosts hold more shards) needs C > S slots, from `runtime.max_share`. With the exact reduction
+the sum over shards is the same integer whoever computed which shard, so the layout changes no bit.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import struct
 from jax import lax
@@ -42,6 +48,15 @@ class GradResult:
 
 
 @struct.dataclass
+class ShardLayout:
+    """Which virtual shards each grid device computes this step (replicated; identical on every host)."""
+
+    counts: jax.Array  # int32 [G]: shards device g computes
+    starts: jax.Array  # int32 [G]: its first shard; its shards are starts[g] .. starts[g] + counts[g] - 1
+    slots: jax.Array  # int32 [V]: the slot (g * C + i) that holds shard v
+
+
+@struct.dataclass
 class ApplyMetrics:
     grad_norm: jax.Array
     lr: jax.Array
@@ -52,11 +67,13 @@ class ShardPlan:
     """How V virtual shards land on the G = data x fsdp devices of the compute grid.
 
     Each virtual shard is computed whole on one grid device (devices along `tensor` share it).
+    `max_share`: a device may hold up to max_share x its uniform share (the slots C per device).
     """
 
     num_shards: int  # V
     devices: int  # G
     rows_per_shard: int  # b
+    max_share: float = 1.0
 
     @property
     def padded_shards(self) -> int:
@@ -64,19 +81,42 @@ class ShardPlan:
 
     @property
     def shards_per_device(self) -> int:
+        """S: the uniform share."""
         return self.padded_shards // self.devices
 
     @property
+    def slots_per_device(self) -> int:
+        """C: the most shards one device can hold (>= S)."""
+        share = math.ceil(self.max_share * self.num_shards / self.devices - 1e-9)
+        return max(self.shards_per_device, min(self.num_shards, share))
+
+    @property
     def padded_rows(self) -> int:
-        return self.padded_shards * self.rows_per_shard
+        return self.devices * self.slots_per_device * self.rows_per_shard
+
+    def uniform_counts(self) -> list[int]:
+        S, V = self.shards_per_device, self.num_shards
+        return [max(0, min(S, V - g * S)) for g in range(self.devices)]
+
+    def layout(self, counts=None) -> ShardLayout:
+        """The layout of per-device shard counts (grid order); default the uniform one."""
+        counts = self.uniform_counts() if counts is None else [int(c) for c in counts]
+        C = self.slots_per_device
+        if len(counts) != self.devices or sum(counts) != self.num_shards or not all(0 <= c <= C for c in counts):
+            raise ValueError(f"a shard layout needs {self.devices} counts in 0..{C} summing to "
+                             f"{self.num_shards}, got {counts}")
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int32)
+        slots = np.concatenate([g * C + np.arange(c) for g, c in enumerate(counts)]).astype(np.int32)
+        return ShardLayout(counts=np.asarray(counts, np.int32), starts=starts, slots=slots)
 
 
-def make_shard_plan(global_batch: int, num_shards: int, devices: int) -> ShardPlan:
+def make_shard_plan(global_batch: int, num_shards: int, devices: int, max_share: float = 1.0) -> ShardPlan:
     if num_shards <= 0 or global_batch % num_shards:
         raise ValueError(
             f"data.global_batch ({global_batch}) must be a positive multiple of parallel.virtual_shards ({num_shards})"
         )
-    return ShardPlan(num_shards=num_shards, devices=devices, rows_per_shard=global_batch // num_shards)
+    return ShardPlan(num_shards=num_shards, devices=devices, rows_per_shard=global_batch // num_shards,
+                     max_share=max_share)
 
 
 def _shard_loss_fn(model_def: ModelDef, loss_fn: LossFn):
@@ -96,26 +136,27 @@ class _ShardStats:
     row_finite: jax.Array  # [S, b] bool
 
 
-def _gather_stats(stats: _ShardStats, axes, num_shards: int):
-    """Every shard's (loss, weight, finite, row_finite), from all devices, as ONE all-gather: the
-    four travel as columns of one float32 array (bools as 0/1, exact; losses' bits unchanged)."""
+def _gather_stats(stats: _ShardStats, axes, slots: jax.Array):
+    """Every shard's (loss, weight, finite, row_finite), from all devices' slots, in shard order, as
+    ONE all-gather: the four travel as columns of one float32 array (bools as 0/1, exact; losses'
+    bits unchanged)."""
     S = stats.loss.shape[0]
     columns = jnp.concatenate([
         stats.loss.astype(jnp.float32).reshape(S, 1), stats.weight.astype(jnp.float32).reshape(S, 1),
         stats.finite.astype(jnp.float32).reshape(S, 1), stats.row_finite.astype(jnp.float32),
     ], axis=1)
-    rows = lax.all_gather(columns, axes, tiled=True)[:num_shards]
+    rows = lax.all_gather(columns, axes, tiled=True)[slots]
     return rows[:, 0], rows[:, 1], rows[:, 2] > 0.5, (rows[:, 3:] > 0.5).reshape(-1)
 
 
 def make_compute(
     model_def: ModelDef, mesh: Mesh, plan: ShardPlan, *, seed: int, mode: reduce.Reduction, use_dropout: bool,
     loss_fn: LossFn = next_token_cross_entropy,
-) -> Callable[..., GradResult]:
+) -> "Compute":
     """grads = compute(params, tokens, weights, step): the step's only collectives.
 
     A shard_map manual over (data, fsdp): every grid device gathers the fsdp-sharded weights
-    (ZeRO-3), runs its S virtual shards one after another (lax.scan, one gradient accumulator),
+    (ZeRO-3), runs the virtual shards its layout gives it one after another (one gradient accumulator),
     and the accumulators are reduce-scattered back to fsdp shards and all-reduced over data --
     in exact integers (`invariant`) or float (`native`). `tensor` stays automatic (GSPMD) when >1.
     `use_dropout`: give the model each shard's dropout key; `loss_fn`: task.loss, given its own key
@@ -129,7 +170,8 @@ def make_compute(
     manual = {data, fsdp} | ({tensor} if mesh.shape[tensor] == 1 else set())
     use_loss_key = loss_fn is not next_token_cross_entropy
     grad_fn = jax.value_and_grad(_shard_loss_fn(model_def, loss_fn), has_aux=True)
-    S, b, V = plan.shards_per_device, plan.rows_per_shard, plan.num_shards
+    C, b, V = plan.slots_per_device, plan.rows_per_shard, plan.num_shards
+    uneven = C > plan.shards_per_device  # slots for an uneven assignment: a per-device trip count
     fsdp_size = mesh.shape[fsdp]
     param_specs = mesh_lib.specs_from_logical(model_def.logical_axes)
     manual_specs = jax.tree.map(lambda spec: mesh_lib.keep_axes(spec, manual), param_specs)
@@ -149,27 +191,40 @@ def make_compute(
             )
             return g, (loss_sum, weight_sum, finite, jnp.isfinite(row_loss))
 
-    def per_device(params_local, tokens, weights, step):
+    def shard_loop(params, step, tokens, weights, first, count, init, add):
+        """Run this device's `count` shards (first, first+1, ...) in its slots, one after another.
+
+        A loop, not vmap: each shard runs with identical shapes, so its bits do not depend on how
+        many shards this device holds (vmap batched the matmuls and changed the bits). The trip
+        count is this device's own (a traced value): slots past it are never computed.
+        """
+        tok, w = tokens.reshape(C, b, -1), weights.reshape(C, b, -1)
+        stats0 = (jnp.zeros(C, jnp.float32), jnp.zeros(C, jnp.float32), jnp.zeros(C, bool), jnp.zeros((C, b), bool))
+
+        def body(i, carry):
+            acc, stats = carry
+            g, one = shard_grad(params, step, tok[i], w[i], first + i)
+            return add(acc, g), tuple(s.at[i].set(x) for s, x in zip(stats, one))
+
+        # A plan without spare slots (uniform only) runs all C slots, padding ones with zero weight
+        # (exact zeros): a counted loop, whose trip count XLA's analyses know (resilient_jax.hlo_stats).
+        return lax.fori_loop(0, count if uneven else C, body, (init, stats0))
+
+    def per_device(params_local, tokens, weights, step, layout):
         # One all-gather for the whole tree, not one per leaf (resilient_jax.collectives says why).
         params = collectives.gather(params_local, fsdp_dims, axis=fsdp, size=fsdp_size,
                                     pack=mesh.shape[tensor] == 1)
         grid = lax.axis_index(data) * fsdp_size + lax.axis_index(fsdp)
-        xs = (tokens.reshape(S, b, -1), weights.reshape(S, b, -1), grid * S + jnp.arange(S, dtype=jnp.int32))
-
-        # lax.scan, not vmap: each shard runs with identical shapes, so its bits do not depend on
-        # how many shards this device holds (vmap batched the matmuls and changed the bits).
+        first, count = layout.starts[grid], layout.counts[grid]
         if mode == "native":
-            def body(acc, x):
-                g, stats = shard_grad(params, step, *x)
-                return jax.tree.map(jnp.add, acc, g), stats
-
-            acc, stats = lax.scan(body, jax.tree.map(jnp.zeros_like, params), xs)
+            acc, stats = shard_loop(params, step, tokens, weights, first, count,
+                                    jax.tree.map(jnp.zeros_like, params), lambda a, g: jax.tree.map(jnp.add, a, g))
             grads = reduce.reduce_native(acc, scatter_axes=fsdp_dims, data_axis=data, fsdp_axis=fsdp)
             passes = jnp.int32(1)
         else:
             with jax.enable_x64(True):
-                grads, stats, passes = exact_grads(params, step, xs)
-        loss_V, weight_V, finite_V, row_finite = _gather_stats(_ShardStats(*stats), (data, fsdp), V)
+                grads, stats, passes = exact_grads(params, step, tokens, weights, first, count)
+        loss_V, weight_V, finite_V, row_finite = _gather_stats(_ShardStats(*stats), (data, fsdp), layout.slots)
         total_weight = jnp.maximum(reduce.ordered_sum(weight_V, V), 1.0)
         grads = jax.tree.map(lambda g: g / total_weight, grads)
         return GradResult(
@@ -181,25 +236,24 @@ def make_compute(
             passes=passes,
         )
 
-    def exact_grads(params, step, xs):
+    def exact_grads(params, step, tokens, weights, first, count):
         zeros = jax.tree.map(reduce.zeros_like_leaf, params)
 
         def attempt(carry):
             lsb_plan, _, _, _, _, tries = carry
 
-            def body(accs, x):
-                g, stats = shard_grad(params, step, *x)
+            def add(accs, g):
                 return jax.tree.map(lambda a, gl, p: reduce.add_shard(a, gl, p, bits), accs, g, lsb_plan,
-                                    is_leaf=reduce.is_acc), stats
+                                    is_leaf=reduce.is_acc)
 
-            accs, stats = lax.scan(body, zeros, xs)
+            accs, stats = shard_loop(params, step, tokens, weights, first, count, zeros, add)
             lsb, exp = reduce.global_exponents(accs, (data, fsdp))
             ok = reduce.fits(lsb, exp, V)
             return reduce.fixed_lsb(exp, V), ok, accs, lsb, stats, tries + 1
 
         # Pass 1 always; pass 2 only when pass 1 could have overflowed (the same decision on
         # every device: `ok` comes from exact all-reduces).
-        stats0 = (jnp.zeros(S, jnp.float32), jnp.zeros(S, jnp.float32), jnp.zeros(S, bool), jnp.zeros((S, b), bool))
+        stats0 = (jnp.zeros(C, jnp.float32), jnp.zeros(C, jnp.float32), jnp.zeros(C, bool), jnp.zeros((C, b), bool))
         init = (reduce.own_exponent_plan(zeros), jnp.bool_(False), zeros,
                 jax.tree.map(lambda a: a.lsb, zeros, is_leaf=reduce.is_acc), stats0, jnp.int32(0))
         _, _, accs, lsb, stats, tries = lax.while_loop(lambda c: ~c[1], attempt, init)
@@ -209,7 +263,8 @@ def make_compute(
     sharded = jax.shard_map(
         per_device,
         mesh=mesh,
-        in_specs=(manual_specs, PartitionSpec((data, fsdp)), PartitionSpec((data, fsdp)), PartitionSpec()),
+        in_specs=(manual_specs, PartitionSpec((data, fsdp)), PartitionSpec((data, fsdp)), PartitionSpec(),
+                  ShardLayout(counts=PartitionSpec(), starts=PartitionSpec(), slots=PartitionSpec())),
         out_specs=GradResult(
             grads=manual_specs, loss=PartitionSpec(), shard_loss=PartitionSpec(), shard_finite=PartitionSpec(),
             row_finite=PartitionSpec(), passes=PartitionSpec(),
@@ -226,11 +281,33 @@ def make_compute(
         grads=param_shardings, loss=rep, shard_loss=rep, shard_finite=rep, row_finite=rep, passes=rep
     )
     batch = mesh_lib.batch_sharding(mesh)
-    return jax.jit(
+    jitted = jax.jit(
         sharded,
-        in_shardings=(param_shardings, batch, batch, rep),
+        in_shardings=(param_shardings, batch, batch, rep, ShardLayout(counts=rep, starts=rep, slots=rep)),
         out_shardings=out_shardings,
     )
+    return Compute(jitted, plan)
+
+
+class Compute:
+    """compute(params, tokens, weights, step, layout=None): the jitted step's gradient half; the
+    layout defaults to the plan's uniform one (a ShardLayout from `plan.layout(counts)` otherwise)."""
+
+    def __init__(self, jitted, plan: ShardPlan):
+        self.jitted, self.plan = jitted, plan
+        self._uniform = plan.layout()
+
+    def __call__(self, params, tokens, weights, step, layout: ShardLayout | None = None) -> GradResult:
+        return self.jitted(params, tokens, weights, step, self._uniform if layout is None else layout)
+
+    def lower(self, params, tokens, weights, step, layout: ShardLayout | None = None):
+        return self.jitted.lower(params, tokens, weights, step, self._uniform if layout is None else layout)
+
+    def trace(self, params, tokens, weights, step, layout: ShardLayout | None = None):
+        return self.jitted.trace(params, tokens, weights, step, self._uniform if layout is None else layout)
+
+    def _cache_size(self) -> int:  # tests: one compilation serves every step and every layout
+        return self.jitted._cache_size()
 
 
 def make_apply(

@@ -61,6 +61,14 @@ def resolve_dataset(cfg: DataConfig, verified: data_lib.Manifest | None = None) 
     return data_lib.verify_dataset(path)
 
 
+def assignment_policy(cfg: Config, processes: int) -> str:
+    """"proportional" only where it can act and keeps the bits: several hosts, the exact reduction
+    (a native float sum would change with the order of shards)."""
+    if cfg.runtime.assignment == "proportional" and processes > 1 and cfg.parallel.reduction == "invariant":
+        return "proportional"
+    return "uniform"
+
+
 @dataclass
 class QuarantineRecord:
     step: int  # the step index the loader uses: completed steps before the step that hit the shard
@@ -110,9 +118,13 @@ class Trainer:
         self.stop_at = stop_at
         self.faults = faults_lib.parse_faults(cfg.faults)
         self.mesh = mesh_lib.build_mesh(cfg.parallel, devices)
+        # Slots for an uneven assignment only where shards can move between hosts (see assignment.py).
+        self.assignment = assignment_policy(cfg, jax.process_count())
         self.plan = step_lib.make_shard_plan(
-            cfg.data.global_batch, cfg.parallel.virtual_shards, mesh_lib.grid_size(self.mesh)
+            cfg.data.global_batch, cfg.parallel.virtual_shards, mesh_lib.grid_size(self.mesh),
+            max_share=cfg.runtime.max_share if self.assignment == "proportional" else 1.0,
         )
+        self.layout = self.plan.layout()
         mesh_lib.check_model_layout(cfg.model, dict(self.mesh.shape))
         self.manifest = resolve_dataset(cfg.data, verified_dataset)
         self.model_def = state_lib.make_model_def(cfg.model, cfg.task.import_dir)
@@ -139,30 +151,46 @@ class Trainer:
 
     # -- batch placement ------------------------------------------------------------------------
 
-    def local_rows(self) -> tuple[int, int]:
-        """[lo, hi) of the padded global batch held by this process's devices (contiguous).
-
-        Rows go to the data x fsdp grid, data-major: grid device (d, f) holds block d*fsdp + f.
-        """
+    def grid_processes(self) -> list[int]:
+        """The process of each device of the data x fsdp grid (data-major: grid device (d, f) = d*fsdp + f)."""
         fsdp = self.mesh.shape[mesh_lib.FSDP_AXIS]
-        grid = sorted(
-            {idx[0] * fsdp + idx[1] for idx, d in np.ndenumerate(self.mesh.devices)
-             if d.process_index == jax.process_index()}
-        )
-        rows_per_device = self.plan.shards_per_device * self.plan.rows_per_shard
+        owner: dict[int, int] = {}
+        for idx, d in np.ndenumerate(self.mesh.devices):
+            owner.setdefault(idx[0] * fsdp + idx[1], d.process_index)
+        return [owner[g] for g in range(len(owner))]
+
+    def local_grid(self) -> list[int]:
+        grid = [g for g, p in enumerate(self.grid_processes()) if p == jax.process_index()]
         if grid != list(range(grid[0], grid[-1] + 1)):
             raise ValueError(f"this process's devices are not contiguous on the data x fsdp grid ({grid}); "
                              "order parallel.data/fsdp so that each host's devices are adjacent")
-        return grid[0] * rows_per_device, (grid[-1] + 1) * rows_per_device
+        return grid
 
-    def _place(self, batch: data_lib.Batch, padded_rows: tuple[int, int]) -> tuple[jax.Array, jax.Array]:
-        """Host rows -> global arrays; rows of padding shards get zero tokens and zero weight."""
-        lo, hi = padded_rows
-        tokens = np.zeros((hi - lo, batch.tokens.shape[1]), np.int32)
-        weights = np.zeros((hi - lo, batch.weights.shape[1]), np.float32)
-        real = min(hi, self.cfg.data.global_batch) - lo
-        if real > 0:
-            tokens[:real], weights[:real] = batch.tokens, batch.weights
+    def set_layout(self, device_counts: list[int] | None) -> None:
+        """The shards each grid device computes from the next step on (None: the uniform layout)."""
+        self.layout = self.plan.layout(device_counts)
+
+    def local_rows(self) -> tuple[int, int]:
+        """[lo, hi) of the global batch held by this process's devices under the current layout
+        (contiguous: a host's devices are adjacent on the grid and hold consecutive shards)."""
+        grid, b = self.local_grid(), self.plan.rows_per_shard
+        first = int(self.layout.starts[grid[0]])
+        end = int(self.layout.starts[grid[-1]] + self.layout.counts[grid[-1]])
+        return first * b, end * b
+
+    def _place(self, batch: data_lib.Batch, rows: tuple[int, int]) -> tuple[jax.Array, jax.Array]:
+        """Host rows -> global arrays: each local device's shards in its first slots; the other
+        slots (never computed) hold zeros."""
+        grid, C, b = self.local_grid(), self.plan.slots_per_device, self.plan.rows_per_shard
+        tokens = np.zeros((len(grid) * C * b, batch.tokens.shape[1]), np.int32)
+        weights = np.zeros((len(grid) * C * b, batch.weights.shape[1]), np.float32)
+        lo, hi = rows
+        if hi > lo:
+            assert batch.tokens.shape[0] == hi - lo, (batch.tokens.shape, rows)
+            for j, g in enumerate(grid):
+                src, n = int(self.layout.starts[g]) * b - lo, int(self.layout.counts[g]) * b
+                tokens[j * C * b:j * C * b + n] = batch.tokens[src:src + n]
+                weights[j * C * b:j * C * b + n] = batch.weights[src:src + n]
         sharding = mesh_lib.batch_sharding(self.mesh)
         total = self.plan.padded_rows
         return (
@@ -172,8 +200,7 @@ class Trainer:
 
     def open_loader(self, start_step: int, quarantine=(),
                     position: data_lib.DataPosition | None = None) -> data_lib.HostBatchLoader:
-        lo, hi = self.local_rows()
-        real_rows = (min(lo, self.cfg.data.global_batch), min(hi, self.cfg.data.global_batch))
+        real_rows = self.local_rows()
         if position is not None:  # a resume: checks the dataset version and global batch too
             return data_lib.HostBatchLoader.from_position(
                 self.manifest, position, seed=self.cfg.train.seed, global_batch=self.cfg.data.global_batch,
@@ -201,7 +228,7 @@ class Trainer:
             batch = next(loader)
             assert batch.step == step, (batch.step, step)
             tokens, weights = self._place(batch, self.local_rows())
-            result = self.compute(params, tokens, weights, np.int32(step))
+            result = self.compute(params, tokens, weights, np.int32(step), self.layout)
             # The step's one host readback: finiteness and loss together (both replicated).
             shard_finite, loss = jax.device_get((result.shard_finite, result.loss))
             if shard_finite.all():
@@ -497,6 +524,13 @@ class StepLoop:
         if self.ckpt is not None and self.ckpt.after_step(done, state, self.loader.position()):
             self.preempted = True
         return state
+
+    def set_layout(self, device_counts: list[int], from_step: int) -> None:
+        """Hold another set of shards from step `from_step` on: the loader re-reads from there with
+        this host's new rows (batches read ahead for the old rows are dropped)."""
+        self.trainer.set_layout(device_counts)
+        lo, hi = self.trainer.local_rows()
+        self.loader.reassign((lo, hi) if hi > lo else None, from_step)
 
     def flush_log(self) -> None:
         """Log the steps since the last line as one line for the latest step (a no-op if none)."""

@@ -35,6 +35,12 @@ def test_quick_drill_absorbs_all_four_fault_classes(tmp_path, default_dataset):
     (reslot,) = jitter["events"]
     assert reslot["reslotted"] == ["h1"] and reslot["decision"]["action"] == "remove"
     assert reslot["decision"]["window_steps"][1] <= 12 + jitter["straggler_window"] + 2
+    # A heterogeneous cluster (h1 2x slower, h2 1.5x): shards moved, the world never changed.
+    mixed = drill["summaries"]["heterogeneous cluster"]
+    assert mixed["events"] == [] and mixed["params_fingerprint"] == drill["reference_fingerprint"]
+    first = mixed["assignment"]["decisions"][0]
+    old, new = first["old_shards"], first["new_shards"]
+    assert new[1] <= new[2] < old[2] == old[1] and new[0] > old[0] and new[3] > old[3]
     assert (out / "loss.png").stat().st_size > 10_000 and (out / "timeline.png").stat().st_size > 10_000
     assert "| partial cluster loss | `kill_region:eu@12` |" in (out / "table.md").read_text()
     # The fault-free elastic run is the one-process trajectory (invariant reduction).

@@ -169,6 +169,9 @@ def test_every_numeric_key_has_a_range_and_the_defaults_are_in_it():
         ("runtime.straggler_factor=1", "runtime.straggler_factor"),
         ("runtime.heartbeat_seconds=0", "runtime.heartbeat_seconds"),
         ("runtime.min_hosts=0", "runtime.min_hosts"),
+        ("runtime.assignment_hysteresis=1", "runtime.assignment_hysteresis"),
+        ("runtime.assignment_window=1", "runtime.assignment_window"),
+        ("runtime.max_share=0.5", "runtime.max_share"),
     ],
 )
 def test_out_of_range_value_names_the_key_and_the_range(override, key):

@@ -81,6 +81,25 @@ def test_global_batch_is_identical_for_every_host_count(dataset: Manifest):
         assert_same_batches(global_batches(dataset, hosts, steps=4), reference)
 
 
+def test_reassigned_rows_take_effect_from_the_given_step_and_drop_the_read_ahead(dataset: Manifest):
+    """An uneven shard assignment moves a host's rows at a step boundary (resilient_jax.assignment):
+    from that step on the loader returns the new rows of the same global batches."""
+    reference = global_batches(dataset, 1, steps=6)
+    with HostBatchLoader(dataset, seed=SEED, global_batch=GLOBAL_BATCH, rows=(0, 4), prefetch=3) as loader:
+        first = [next(loader) for _ in range(2)]
+        loader.reassign((2, GLOBAL_BATCH), from_step=2)
+        later = [next(loader) for _ in range(3)]
+        loader.reassign(None, from_step=5)  # a host at 0 shards reads the whole batch (and places none)
+        last = next(loader)
+    assert [b.step for b in first + later + [last]] == [0, 1, 2, 3, 4, 5]
+    for b in first:
+        np.testing.assert_array_equal(b.sample_ids, reference[b.step]["sample_ids"][0:4])
+    for b in later:
+        np.testing.assert_array_equal(b.sample_ids, reference[b.step]["sample_ids"][2:])
+        np.testing.assert_array_equal(b.tokens, reference[b.step]["tokens"][2:])
+    np.testing.assert_array_equal(last.sample_ids, reference[5]["sample_ids"])
+
+
 def test_resume_from_a_saved_position_with_another_host_count(dataset: Manifest):
     reference = global_batches(dataset, 1, steps=6)
     loaders = [HostBatchLoader(dataset, seed=SEED, global_batch=GLOBAL_BATCH, rows=host_rows(GLOBAL_BATCH, 2, h))
@@ -172,11 +191,11 @@ def test_a_failed_read_is_raised_in_the_training_thread_until_a_seek(dataset: Ma
 
     real_read, failures = BatchReader.read, []
 
-    def flaky_read(self, order, step):
+    def flaky_read(self, order, step, rows=None):
         if step == 2 and not failures:
             failures.append(step)
             raise DatasetError("disk hiccup at step 2")
-        return real_read(self, order, step)
+        return real_read(self, order, step, rows)
 
     monkeypatch.setattr(BatchReader, "read", flaky_read)
     with HostBatchLoader(dataset, seed=SEED, global_batch=GLOBAL_BATCH) as loader:

@@ -25,7 +25,7 @@ def test_delays_apply_to_their_steps_only():
     ("explode_host:1@3", "unknown kind 'explode_host'"),
     ("delay_host:1@15:8", "delay_host:HOST@FIRST-LAST:SECONDS"),
     ("delay_host:1@15-14:8", "last delayed step 14 is before the first 15"),
-    ("slow_host:1@12", "slow_host:HOST@STEP:FACTOR"),
+    ("slow_host:1@12", r"slow_host:HOST@STEP\[-LAST\]:FACTOR"),
     ("slow_host:1@12:0.5", "FACTOR must be > 1"),
 ])
 def test_a_bad_spec_names_what_is_wrong(spec, message):

@@ -172,3 +172,55 @@ def test_every_collective_of_the_step_has_one_operand(mode):
     hlo = compute.lower(params, tokens, weights, np.int32(0)).compile().as_text()
     assert len(_COLLECTIVE.findall(hlo)) >= 3  # gather params, reduce grads, gather shard stats
     assert [m.group(0)[:200] for m in _TUPLE_COLLECTIVE.finditer(hlo)] == []
+
+
+def _in_slots(plan, layout, rows):
+    """Global-batch rows -> the slot layout: device g's shards in its first slots, zeros elsewhere."""
+    C, b = plan.slots_per_device, plan.rows_per_shard
+    out = np.zeros((plan.devices * C * b,) + rows.shape[1:], rows.dtype)
+    for g in range(plan.devices):
+        n, first = int(layout.counts[g]) * b, int(layout.starts[g]) * b
+        out[g * C * b:g * C * b + n] = rows[first:first + n]
+    return out
+
+
+@pytest.mark.parametrize("counts", [[6, 6, 6, 0, 0, 2, 2, 2], [1, 5, 0, 6, 3, 3, 4, 2]])
+def test_an_uneven_shard_layout_changes_no_bit(counts):
+    """Which device computes which virtual shard (resilient_jax.assignment moves them between
+    hosts) leaves every gradient bit, the loss and the per-shard statistics as they were; so does
+    the uneven program itself (spare slots, a per-device trip count) against the uniform one."""
+    from resilient_jax.config import load_config
+
+    cfg = load_config(TINY)
+    model_def = state_lib.make_model_def(cfg.model)
+    tx = build_optimizer(cfg.optimizer, cfg.train.steps)
+    mesh = mesh_lib.build_mesh(ParallelConfig(data=4, fsdp=2))
+    params = state_lib.init_state(model_def, tx, mesh, cfg.train.seed).params
+    tokens, weights = next(_batches(1))
+    weights[10:12] = np.nan  # shard 5 poisoned: its flag must follow it to whichever device holds it
+    uniform_plan = step_lib.make_shard_plan(cfg.data.global_batch, cfg.parallel.virtual_shards, 8)
+    uneven_plan = step_lib.make_shard_plan(cfg.data.global_batch, cfg.parallel.virtual_shards, 8, max_share=2.0)
+    assert uneven_plan.slots_per_device == 6 and uniform_plan.slots_per_device == 3
+    base = step_lib.make_compute(model_def, mesh, uniform_plan, seed=0, mode="invariant", use_dropout=True)
+    expected = base(params, tokens, weights, np.int32(3))
+    uneven = step_lib.make_compute(model_def, mesh, uneven_plan, seed=0, mode="invariant", use_dropout=True)
+    layout = uneven_plan.layout(counts)
+    got = uneven(params, _in_slots(uneven_plan, layout, tokens), _in_slots(uneven_plan, layout, weights),
+                 np.int32(3), layout)
+    assert not bool(np.asarray(got.shard_finite)[5]) and np.asarray(got.shard_finite).sum() == 23
+    for field in ("loss", "shard_loss", "shard_finite", "row_finite"):
+        np.testing.assert_array_equal(np.asarray(getattr(got, field)), np.asarray(getattr(expected, field)))
+    weights[10:12] = 1.0  # and the finite step's gradients
+    expected = base(params, tokens, weights, np.int32(3))
+    got = uneven(params, _in_slots(uneven_plan, layout, tokens), _in_slots(uneven_plan, layout, weights),
+                 np.int32(3), layout)
+    for x, y in zip(_host(expected.grads), _host(got.grads)):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_a_shard_layout_must_place_every_shard_once():
+    plan = step_lib.make_shard_plan(48, 24, 8, max_share=2.0)
+    with pytest.raises(ValueError, match="8 counts in 0..6 summing to 24"):
+        plan.layout([7, 5, 3, 3, 3, 3, 0, 0])
+    with pytest.raises(ValueError, match="summing to 24"):
+        plan.layout([3] * 7 + [2])

@@ -146,6 +146,14 @@ class HostBatchLoader:
         with self._lock:
             self._reset(step, self._order)
 
+    def reassign(self, rows: tuple[int, int] | None, from_step: int) -> None:
+        """Read rows `rows` (None: all) of every step from `from_step` on (an uneven shard
+        assignment moved this host's shards)."""
+        rows = _check_rows(rows or (0, self._order.global_batch), self._order.global_batch)
+        with self._lock:
+            self.rows = rows
+            self._reset(from_step, self._order)
+
     def quarantine(self, shard: int, from_step: int) -> None:
         with self._lock:
             order = self._order.with_quarantine(shard, from_step)  # validates before any change
@@ -192,10 +200,10 @@ class HostBatchLoader:
             with self._lock:
                 if self._closed:
                     return
-                generation, step, order = self._generation, self._read_step, self._order
+                generation, step, order, rows = self._generation, self._read_step, self._order, self.rows
                 self._read_step += 1
             try:
-                item: Batch | Exception = self._reader.read(order, step)
+                item: Batch | Exception = self._reader.read(order, step, rows)
                 self.batches_read += 1
             except Exception as e:  # handed to the training thread, raised by __next__
                 item = e

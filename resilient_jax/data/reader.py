@@ -46,8 +46,8 @@ class BatchReader:
                 f"{manifest.num_records}; run `python -m resilient_jax.data verify {manifest.root}`"
             )
 
-    def read(self, order: GlobalOrder, step: int) -> Batch:
-        lo, hi = self.rows
+    def read(self, order: GlobalOrder, step: int, rows: tuple[int, int] | None = None) -> Batch:
+        lo, hi = rows or self.rows
         ids = global_batch_ids(order, step)[lo:hi]
         rows = self.manifest.layout.decode(self.source.__getitems__(ids.tolist()))
         shard_ids = self.manifest.shard_of(ids)

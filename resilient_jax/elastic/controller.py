@@ -168,12 +168,14 @@ class Controller:
                  total_steps: int = 0, straggler_factor: float = 1.5, straggler_window: int = 10,
                  on_dead: Callable[[str], None] | None = None, console: Callable[[str], None] | None = None,
                  run_options: dict | None = None, history: RunHistory | None = None,
-                 tls: ServerTls | None = None):
+                 tls: ServerTls | None = None, assignment: str = "uniform"):
         """`console` receives one sentence per event and a progress line per logged step (the
         driver prints them); `run_options` go to every worker as it registers (this invocation's
         --resume / --allow-config-change / --stop-at); `history` is the run's record across
         invocations (run_history.json), kept by the driver since rank 0 may change hands. `tls`:
-        serve https with that certificate (resilient_jax.elastic.tls)."""
+        serve https with that certificate (resilient_jax.elastic.tls). `assignment`: the workers'
+        shard assignment ("proportional" absorbs a slow host by moving its shards; then only a
+        spare replaces a straggler, and an idle host that still holds the step back is reslotted)."""
         channel.check_bind(bind, token, tls is not None)
         self.config_hash = config_hash
         self.expected_hosts = expected_hosts
@@ -184,6 +186,8 @@ class Controller:
         self.min_hosts = min_hosts
         self.total_steps = total_steps
         self.straggler_factor, self.straggler_window = straggler_factor, straggler_window
+        self.assignment = assignment
+        self.reassignments: list[dict] = []  # the workers' shard re-plans, with their numbers
         self._status_written = 0.0
         self.on_dead = on_dead or (lambda host: None)
         self.console = console or (lambda text: None)
@@ -253,10 +257,12 @@ class Controller:
             member = self._member(host)
             member.last_seen = time.monotonic()
             member.step, member.generation, member.step_seconds = step, generation, step_seconds
-            for k, ready, seconds, wall in timings or ():
-                self.timings.setdefault(generation, {}).setdefault(k, {})[host] = stragglers.StepTiming(ready, seconds)
+            for k, ready, seconds, wall, *shards in timings or ():
+                shards = shards[0] if shards else None
+                self.timings.setdefault(generation, {}).setdefault(k, {})[host] = stragglers.StepTiming(
+                    ready, seconds, shards)
                 self.timeline.append({"host": host, "generation": generation, "step": k, "wall": wall,
-                                      "ready_seconds": ready, "step_seconds": seconds})
+                                      "ready_seconds": ready, "step_seconds": seconds, "shards": shards})
             abort = generation in self.broken
             if stalled_seconds > 0 and not abort and self.world is not None and generation == self.world.generation:
                 self._record_stall(host, step + 1, stalled_seconds, deadline_seconds)
@@ -310,6 +316,15 @@ class Controller:
             if self.pending_fault_at is None and kind in ("kill_host", "hang_host", "kill_region"):
                 self.pending_fault_at = time.monotonic()
             log.info("fault announced by %s: %s at step %d", host, kind, step)
+        return {}
+
+    def reassign(self, host: str, generation: int, event: dict) -> dict:
+        """Rank 0 reports a shard re-plan every member took at the same step boundary."""
+        with self._lock:
+            self.reassignments.append({**event, "generation": generation})
+            moved = ", ".join(f"{h} {a}->{b}" for h, a, b in zip(event["hosts"], event["old_shards"],
+                                                                 event["new_shards"]) if a != b)
+            self.console(f"step {event['step']}: shards reassigned ({event['kind']}: {moved})")
         return {}
 
     def progress(self, host: str, generation: int, step: int) -> dict:
@@ -462,6 +477,7 @@ class Controller:
                            for s in sorted(self.stalls.values(), key=lambda s: (s.generation, s.step))],
                 "straggler_decisions": self.decisions,
                 "straggler_window": self.straggler_window,
+                "assignment": {"policy": self.assignment, "decisions": list(self.reassignments)},
                 "injected": [{k: v for k, v in a.items() if k != "at"} for a in self.announced],
                 "restarts": self.restarts,
                 "generations": (self.world.generation + 1) if self.world else 0,
@@ -529,7 +545,15 @@ class Controller:
         window = self.timings.get(world.generation, {})
         # The first step of a world (resume_step + 1) carries its warm-up; judge steady steps only.
         steady = {k: v for k, v in window.items() if k > world.resume_step + 1}
-        found = stragglers.find_straggler(steady, members, factor=self.straggler_factor, steps=self.straggler_window)
+        candidates = members
+        if self.assignment == "proportional" and not any(m.status == "spare" for m in self.members.values()):
+            # Moving shards absorbs a slow host; removing it is for one that held none over the
+            # whole window and still held the step back (worse than idle).
+            recent = sorted(steady)[-self.straggler_window:]
+            candidates = [h for h in members if recent and all(
+                h in steady[k] and steady[k][h].shards == 0 for k in recent)]
+        found = stragglers.find_straggler(steady, members, factor=self.straggler_factor, steps=self.straggler_window,
+                                          candidates=candidates)
         if found is None:
             return
         formed = self.events[-1] if self.events else None

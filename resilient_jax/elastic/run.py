@@ -120,6 +120,8 @@ def _drive(cfg: Config, run_dir: Path, options: dict, history: RunHistory) -> di
         min_hosts=cfg.runtime.min_hosts, total_steps=cfg.train.steps,
         straggler_factor=cfg.runtime.straggler_factor, straggler_window=cfg.runtime.straggler_window,
         console=_console, run_options=options, history=history, tls=server_tls,
+        assignment="proportional" if (cfg.runtime.assignment == "proportional"
+                                      and cfg.parallel.reduction == "invariant") else "uniform",
     )
     controller_file = run_dir / "elastic" / "controller.json"
     controller_file.write_text(json.dumps({"url": controller.url, "pid": os.getpid(),

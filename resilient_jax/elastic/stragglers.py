@@ -32,6 +32,7 @@ from dataclasses import dataclass
 class StepTiming:
     ready: float
     step: float
+    shards: int | None = None  # virtual shards the host held in the step (None: not reported)
 
 
 @dataclass(frozen=True)
@@ -65,14 +66,15 @@ def own_times(timings: dict[str, StepTiming]) -> dict[str, float]:
 
 
 def find_straggler(window: dict[int, dict[str, StepTiming]], members: list[str], *, factor: float,
-                   steps: int) -> Straggler | None:
-    """The host persistently slower than the rest over the last `steps` steps that every member reported."""
+                   steps: int, candidates: list[str] | None = None) -> Straggler | None:
+    """The host persistently slower than the rest over the last `steps` steps that every member
+    reported; only `candidates` (default: every member) can be named."""
     complete = sorted(k for k, per_host in window.items() if all(h in per_host for h in members))[-steps:]
     if len(members) < 2 or len(complete) < steps:
         return None
     own = {k: own_times({h: window[k][h] for h in members}) for k in complete}
     worst = None
-    for host in members:
+    for host in members if candidates is None else [h for h in members if h in candidates]:
         ratios, others = [], []
         for k in complete:
             rest = statistics.median(own[k][j] for j in members if j != host)

@@ -18,7 +18,10 @@ controller's latest reform signal to a tiny all-gather; when the maximum is set,
 re-forms at the same step boundary, and a newcomer (or a spare taking a straggler's slot) receives
 the state from a peer, never from disk. A stop (the driver got Ctrl-C or SIGTERM; JAX's preemption
 notice; --stop-at) rides the same all-gather: every member checkpoints at the same boundary and the
-run reports `stopped`. Ctrl-C itself is ignored here: it is the driver's to act on.
+run reports `stopped`. Ctrl-C itself is ignored here: it is the driver's to act on. The same
+all-gather carries every member's timings of the step, from which every member plans the next
+step's shard assignment alike (`ShareKeeper`, resilient_jax.assignment): shards move between the
+members of a world at any step boundary, without a re-formation and without changing a bit.
 
 Step numbers sent to the controller follow the run's convention: step k is the update that
 brings the run to k completed steps (the loop's index k-1).
@@ -94,14 +97,14 @@ class Heartbeat(threading.Thread):
         self.reform_signal = 0
         self.stop_reason: str | None = None  # the controller asks every member to stop (Ctrl-C, SIGTERM)
         self.on_abort = lambda generation: None
-        self._timings: list[list] = []  # [step, ready s, step s, wall time] not yet reported
+        self._timings: list[list] = []  # [step, ready s, step s, wall time, shards held] not yet reported
         self._progress: list[list] = []  # [step, loss, tokens/s] of logged steps not yet reported
         self._lock = threading.Lock()
         self._stop = threading.Event()
 
-    def record(self, step: int, ready_seconds: float, step_seconds: float) -> None:
+    def record(self, step: int, ready_seconds: float, step_seconds: float, shards: int) -> None:
         with self._lock:
-            self._timings.append([step, ready_seconds, step_seconds, time.time()])
+            self._timings.append([step, ready_seconds, step_seconds, time.time(), shards])
         self.step, self.step_seconds = step, step_seconds
 
     def report_progress(self, step: int, loss: float, tokens_per_s: float) -> None:
@@ -142,6 +145,74 @@ class Heartbeat(threading.Thread):
         self._stop.set()
 
 
+@dataclass
+class Reassignment:
+    decision: object  # assignment.Decision
+    device_counts: list[int]
+
+    def to_event(self, hosts: list[str]) -> dict:
+        return {**self.decision.to_event(hosts), "device_shards": self.device_counts}
+
+
+class ShareKeeper:
+    """This world's shard assignment (resilient_jax.assignment): the planner every member holds
+    identically, fed from the step-boundary all-gather."""
+
+    def __init__(self, trainer, planner, policy, device_host: list[int]):
+        self.trainer, self.planner, self.policy, self.device_host = trainer, planner, policy, device_host
+
+    @classmethod
+    def start(cls, trainer, step: int) -> ShareKeeper:
+        import jax
+
+        from resilient_jax import assignment
+
+        rt = trainer.cfg.runtime
+        device_host = trainer.grid_processes()
+        hosts = jax.process_count()
+        uniform = assignment.host_counts_from_devices(trainer.plan.uniform_counts(), device_host, hosts)
+        capacity = [device_host.count(h) * trainer.plan.slots_per_device for h in range(hosts)]
+        planner = assignment.Planner.start(uniform, capacity, step)
+        policy = assignment.Policy(window=rt.assignment_window, hysteresis=rt.assignment_hysteresis,
+                                   max_share=rt.max_share)
+        return cls(trainer, planner if trainer.assignment == "proportional" else None, policy, device_host)
+
+    @staticmethod
+    def encode(ready_seconds: float, step_seconds: float) -> list[int]:
+        # Microseconds, as int32 (the all-gather's type; 35 minutes at most).
+        return [min(int(round(x * 1e6)), 2**31 - 1) for x in (ready_seconds, step_seconds)]
+
+    def mine(self) -> int:
+        import jax
+
+        grid = self.trainer.layout.counts
+        return int(sum(int(c) for c, h in zip(grid, self.device_host) if h == jax.process_index()))
+
+    def share(self) -> float:
+        import jax
+
+        if self.planner is None:
+            return 1.0
+        uniform = self.planner.uniform[jax.process_index()]
+        return self.mine() / uniform if uniform else 1.0
+
+    def observe(self, completed: int, micros: np.ndarray, *, skip: bool) -> Reassignment | None:
+        from resilient_jax import assignment
+
+        if self.planner is None:
+            return None
+        if skip:  # a world's first step carries warm-up; plan from steady steps only
+            return None
+        sample = assignment.Sample(step=completed, shards=self.planner.counts,
+                                   ready=tuple(float(x) / 1e6 for x in micros[:, 0]),
+                                   in_step=tuple(float(x) / 1e6 for x in micros[:, 1]))
+        self.planner, decision = assignment.observe(self.planner, sample, self.policy)
+        if decision is None:
+            return None
+        counts = assignment.device_counts(list(decision.new), self.device_host, self.trainer.plan.slots_per_device)
+        return Reassignment(decision, counts)
+
+
 class HostFaults:
     """Fires this host's injected faults at their step: kills and hangs from a timer so they land
     mid-step; delays (a latency spike, a straggler) as a wait before the host enters the step."""
@@ -154,12 +225,18 @@ class HostFaults:
         self.baseline: dict = {}  # slow_host: this host's own step time just before the slowdown
         self.client, self.host = client, host
 
-    def delay(self, step: int, clock: StallClock) -> None:
-        """Hold this host back before `step` (its heartbeats go on: it is slow, not dead)."""
+    def delay(self, step: int, clock: StallClock, share: float = 1.0) -> None:
+        """Hold this host back before `step` (its heartbeats go on: it is slow, not dead).
+
+        `share`: the shards this host holds in the step / its uniform share. A slow host is slow at
+        its work: its extra time scales with the shards it holds (none: no delay).
+        """
         for fault in self.delays:
             if fault.kind == "slow_host" and step >= fault.step and fault not in self.baseline:
                 self.baseline[fault] = float(np.median(clock.recent)) if clock.recent else 0.0
             seconds = fault.delay_before(step, self.baseline.get(fault, 0.0))
+            if fault.kind == "slow_host":
+                seconds *= share
             if seconds <= 0:
                 continue
             if fault not in self.announced:
@@ -334,7 +411,7 @@ class Worker:
         from resilient_jax.elastic import world as world_lib
         from resilient_jax.trainer import StepLoop, Trainer
 
-        members = world["members"]
+        members = self.members = world["members"]
         rank = members.index(self.host)
         try:
             world_lib.join(world["coordinator"], len(members), rank)  # not under the lock: it waits for peers
@@ -426,17 +503,19 @@ class Worker:
         first = True
         clock = self.heartbeat.clock
         total = self.cfg.train.steps
+        shares = ShareKeeper.start(trainer, step)
         # The state this world starts from has `step` completed steps (restored from disk, or
         # adopted): a failure in its first step must report that, not an older world's count.
         self.kept.completed_step = step - 1
         self.heartbeat.step = step  # where this world starts (a resume from disk starts past 0)
         self._last_progress = None  # tokens/s windows do not span a re-formation
+        first_of_world = True  # its timings carry warm-up: not planned from
         try:
             while step < total:
                 if self.stop_at is not None and step >= self.stop_at:  # the same step on every member
                     return self._finish(trainer, loop, ckpt, state, step, stopped="stop_at")
                 ready_from = time.perf_counter()
-                self.faults.delay(step, clock)
+                self.faults.delay(step, clock, shares.share())
                 self.faults.arm(step)
                 t0 = clock.started_at = time.perf_counter()
                 state = loop.step(state, step)
@@ -445,7 +524,7 @@ class Worker:
                 clock.recent.append(seconds)
                 self.kept.completed_step = step
                 step += 1  # the step just run is step `step` in the run's numbering
-                self.heartbeat.record(step, t0 - ready_from, seconds)
+                self.heartbeat.record(step, t0 - ready_from, seconds, shares.mine())
                 if first:
                     self.client.call("/progress", retry_seconds=5, host=self.host, generation=self.generation,
                                      step=step)
@@ -454,8 +533,17 @@ class Worker:
                 # Change the world (growth, a reslot) or stop only when every member agrees, at the same boundary.
                 stop = max(STOP_REASONS.index(self.heartbeat.stop_reason),
                            STOP_REASONS.index("preempted") if loop.preempted else 0)
-                signals = np.array([self.heartbeat.reform_signal, stop], np.int32)
-                agreed = np.asarray(multihost_utils.process_allgather(signals)).reshape(-1, 2).max(axis=0)
+                # The same all-gather carries every host's timings of this step: each host then plans
+                # the next step's shard assignment from the same numbers (resilient_jax.assignment).
+                signals = np.array([self.heartbeat.reform_signal, stop, *ShareKeeper.encode(t0 - ready_from, seconds)],
+                                   np.int32)
+                gathered = np.asarray(multihost_utils.process_allgather(signals)).reshape(-1, 4)
+                agreed = gathered[:, :2].max(axis=0)
+                planned_from = time.perf_counter()
+                decision = shares.observe(step, gathered[:, 2:], skip=first_of_world)
+                first_of_world = False
+                if decision is not None:
+                    self._reassigned(decision, loop, step, started=planned_from)
                 if agreed[1] and step < total:
                     return self._finish(trainer, loop, ckpt, state, step, stopped=STOP_REASONS[int(agreed[1])])
                 if agreed[0] > self.generation and step < total:
@@ -470,6 +558,21 @@ class Worker:
             # compute() never donates: `state` is still the state after step `step`, on our devices.
             self._keep(transfer.to_host(state), loop)
             return "failure"
+
+    def _reassigned(self, decision, loop, step: int, *, started: float) -> None:
+        """Take the new assignment from the next step on (every member does, at the same step).
+
+        The event's `replan_seconds`: planning and switching the loader to the new rows, on this
+        host (the next step's re-read of its batch shows in that step's ready time)."""
+        import jax
+
+        loop.set_layout(decision.device_counts, from_step=step)
+        event = {**decision.to_event(self.members), "replan_seconds": round(time.perf_counter() - started, 6)}
+        log.info("shards reassigned from step %d: %s -> %s (%s)", step + 1, list(decision.decision.old),
+                 list(decision.decision.new), decision.decision.kind)
+        if jax.process_index() == 0:
+            loop.log.event({**event, "generation": self.generation})
+            self.client.call("/reassign", retry_seconds=5, host=self.host, generation=self.generation, event=event)
 
     def _finish(self, trainer, loop, ckpt, state, step: int, *, stopped: str | None) -> str:
         """The last checkpoint (committed before returning), then the summary from rank 0."""
