@@ -36,6 +36,10 @@ from dataclasses import dataclass, field, replace
 POLICIES = ("proportional", "uniform")
 
 
+class DisagreementError(RuntimeError):
+    """The hosts of a world ran different assignments: the step's result cannot be trusted."""
+
+
 @dataclass(frozen=True)
 class Sample:
     """One step's numbers for every host of the world (host order)."""
@@ -179,7 +183,8 @@ def observe(planner: Planner, sample: Sample, policy: Policy) -> tuple[Planner, 
     `sample.step` is the step just completed; a decision takes effect from the next one.
     """
     if sample.shards != planner.counts:
-        raise ValueError(f"step {sample.step} ran {sample.shards}, the planner has {planner.counts}: hosts disagree")
+        raise DisagreementError(f"step {sample.step} ran {sample.shards}, the planner has {planner.counts}: "
+                                "hosts disagree")
     planner = replace(planner, window=(planner.window + (sample,))[-policy.window:])
     nxt = sample.step + 1
     probe = _probe(planner, nxt, policy)

@@ -204,14 +204,14 @@ class Trainer:
         if position is not None:  # a resume: checks the dataset version and global batch too
             return data_lib.HostBatchLoader.from_position(
                 self.manifest, position, seed=self.cfg.train.seed, global_batch=self.cfg.data.global_batch,
-                rows=real_rows if real_rows[1] > real_rows[0] else None, prefetch=self.cfg.data.prefetch,
+                rows=real_rows, prefetch=self.cfg.data.prefetch,
                 poison=faults_lib.nan_shard_poison(self.faults),
             )
         return data_lib.HostBatchLoader(
             self.manifest,
             seed=self.cfg.train.seed,
             global_batch=self.cfg.data.global_batch,
-            rows=real_rows if real_rows[1] > real_rows[0] else None,
+            rows=real_rows,
             start_step=start_step,
             quarantine=tuple(quarantine) + tuple(data_lib.QuarantineEvent(q.shard, q.from_step)
                                                  for q in self.cfg.data.quarantine),
@@ -529,8 +529,7 @@ class StepLoop:
         """Hold another set of shards from step `from_step` on: the loader re-reads from there with
         this host's new rows (batches read ahead for the old rows are dropped)."""
         self.trainer.set_layout(device_counts)
-        lo, hi = self.trainer.local_rows()
-        self.loader.reassign((lo, hi) if hi > lo else None, from_step)
+        self.loader.reassign(self.trainer.local_rows(), from_step)
 
     def flush_log(self) -> None:
         """Log the steps since the last line as one line for the latest step (a no-op if none)."""

@@ -10,10 +10,14 @@ check may still remove it, and then the figure says so). Reported per run: summa
 controller's per-host timeline: step wall times of the slowest host), the re-plans with their
 numbers, and the fingerprint, which must be the same for all three (exact reduction).
 
+Both throughput figures count training time only (a re-formation, if the uniform run's straggler
+check removes the slow host, is left out of both, which favours the uniform run).
+
 Cost of re-planning: the planner is a pure function run on every host at the step boundary
 (microseconds); the step after a re-plan re-reads its batch for the new rows (the loader's
-read-ahead is dropped). Both show in the timeline as that step's `ready_seconds`, reported here
-as `replan_step_ready_seconds` against the median.
+read-ahead is dropped). The planning and the loader switch are each decision's `replan_seconds`;
+the re-read shows as that step's data wait, part of its `ready_seconds` in the timeline, reported
+here as `replan_step_ready_seconds` against the median.
 """
 
 from __future__ import annotations
@@ -85,8 +89,8 @@ def main() -> None:
         print(json.dumps({
             "config": args.config, "steps": args.steps, "slow_host": args.slow,
             "runs": report,
-            "replans": [{k: d[k] for k in ("step", "kind", "old_shards", "new_shards", "cost_per_shard_seconds",
-                                           "predicted_step_seconds")} for d in decisions],
+            "replans": [{k: d.get(k) for k in ("step", "kind", "old_shards", "new_shards", "cost_per_shard_seconds",
+                                               "predicted_step_seconds", "replan_seconds")} for d in decisions],
             "replan_step_ready_seconds": {"after_replan": [round(ready.get(d["step"], 0.0), 4) for d in decisions],
                                           "median": round(statistics.median(ready.values()), 4)},
             "throughput_ratio_proportional_vs_uniform": round(p["tokens_per_second"] / u["tokens_per_second"], 3),

@@ -138,7 +138,7 @@ def rows_for(scenario: Scenario, summary: dict, reference: str) -> list[Row]:
                             stall and stall["late_by_seconds"], expected=ok, **common))
         elif kind == "slow_host" and summary["assignment"]["policy"] == "proportional":
             host = f"h{target}"
-            moved = [d for d in summary["assignment"]["decisions"] if d["step"] > step
+            moved = [d for d in summary["assignment"]["decisions"] if d["kind"] == "rebalance" and d["step"] > step
                      and d["new_shards"][d["hosts"].index(host)] < d["old_shards"][d["hosts"].index(host)]]
             d = moved[0] if moved else None
             # Within two measurement windows of the slowdown (the first one still holds warm steps).

@@ -216,6 +216,13 @@ def test_an_uneven_shard_layout_changes_no_bit(counts):
                  np.int32(3), layout)
     for x, y in zip(_host(expected.grads), _host(got.grads)):
         np.testing.assert_array_equal(x, y)
+    # Another layout is another input, not another program: a re-plan never recompiles.
+    even = uneven_plan.layout()
+    again = uneven(params, _in_slots(uneven_plan, even, tokens), _in_slots(uneven_plan, even, weights),
+                   np.int32(3), even)
+    for x, y in zip(_host(expected.grads), _host(again.grads)):
+        np.testing.assert_array_equal(x, y)
+    assert uneven._cache_size() == 1
 
 
 def test_a_shard_layout_must_place_every_shard_once():

@@ -146,10 +146,10 @@ class HostBatchLoader:
         with self._lock:
             self._reset(step, self._order)
 
-    def reassign(self, rows: tuple[int, int] | None, from_step: int) -> None:
-        """Read rows `rows` (None: all) of every step from `from_step` on (an uneven shard
+    def reassign(self, rows: tuple[int, int], from_step: int) -> None:
+        """Read rows `rows` (empty: none) of every step from `from_step` on (an uneven shard
         assignment moved this host's shards)."""
-        rows = _check_rows(rows or (0, self._order.global_batch), self._order.global_batch)
+        rows = _check_rows(rows, self._order.global_batch)
         with self._lock:
             self.rows = rows
             self._reset(from_step, self._order)
@@ -236,6 +236,7 @@ def _open(dataset: Manifest | str | os.PathLike, verify: bool) -> Manifest:
 
 def _check_rows(rows: tuple[int, int], global_batch: int) -> tuple[int, int]:
     lo, hi = rows
-    if not 0 <= lo < hi <= global_batch:
-        raise DatasetError(f"rows must satisfy 0 <= lo < hi <= global_batch {global_batch}, got [{lo}, {hi})")
+    # lo == hi: a host that holds no virtual shard (it reads nothing)
+    if not 0 <= lo <= hi <= global_batch:
+        raise DatasetError(f"rows must satisfy 0 <= lo <= hi <= global_batch {global_batch}, got [{lo}, {hi})")
     return int(lo), int(hi)

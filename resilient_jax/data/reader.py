@@ -49,6 +49,10 @@ class BatchReader:
     def read(self, order: GlobalOrder, step: int, rows: tuple[int, int] | None = None) -> Batch:
         lo, hi = rows or self.rows
         ids = global_batch_ids(order, step)[lo:hi]
+        if hi == lo:  # a host that holds no virtual shard this step (resilient_jax.assignment) reads nothing
+            L = self.manifest.seq_len
+            return Batch(step, np.zeros((0, L + 1), np.int32), np.zeros((0, L), np.float32), ids,
+                         np.zeros(0, np.int32))
         rows = self.manifest.layout.decode(self.source.__getitems__(ids.tolist()))
         shard_ids = self.manifest.shard_of(ids)
         weights = rows["weights"]  # a fresh float32 array: the poison hook edits it

@@ -34,7 +34,6 @@ ROUTES = {
     ("POST", "/reform"): "reform",
     ("POST", "/fault"): "fault",
     ("POST", "/progress"): "progress",
-    ("POST", "/reassign"): "reassign",
     ("POST", "/resumed"): "resumed",
     ("POST", "/failed"): "failed",
     ("POST", "/done"): "done",

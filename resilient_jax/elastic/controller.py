@@ -250,9 +250,12 @@ class Controller:
 
     def heartbeat(self, host: str, generation: int, step: int, step_seconds: float = 0.0,
                   stalled_seconds: float = 0.0, deadline_seconds: float = 0.0, timings: list | None = None,
-                  progress: list | None = None) -> dict:
-        """`step`: steps completed; `timings`: [step, ready s, step s, wall] per step since the last
-        heartbeat; `progress`: [step, loss, tokens/s] per logged step (printed once per step)."""
+                  progress: list | None = None, reassignments: list | None = None) -> dict:
+        """`step`: steps completed; `timings`: [step, ready s, step s, wall, shards] per step since
+        the last heartbeat; `progress`: [step, loss, tokens/s] per logged step (printed once per
+        step); `reassignments`: shard re-plans the world took (rank 0 reports them)."""
+        for event in reassignments or ():
+            self.reassign(host, generation, event)
         with self._lock:
             member = self._member(host)
             member.last_seen = time.monotonic()
@@ -319,7 +322,7 @@ class Controller:
         return {}
 
     def reassign(self, host: str, generation: int, event: dict) -> dict:
-        """Rank 0 reports a shard re-plan every member took at the same step boundary."""
+        """A shard re-plan every member took at the same step boundary (from rank 0's heartbeat)."""
         with self._lock:
             self.reassignments.append({**event, "generation": generation})
             moved = ", ".join(f"{h} {a}->{b}" for h, a, b in zip(event["hosts"], event["old_shards"],
@@ -549,9 +552,9 @@ class Controller:
         if self.assignment == "proportional" and not any(m.status == "spare" for m in self.members.values()):
             # Moving shards absorbs a slow host; removing it is for one that held none over the
             # whole window and still held the step back (worse than idle).
-            recent = sorted(steady)[-self.straggler_window:]
-            candidates = [h for h in members if recent and all(
-                h in steady[k] and steady[k][h].shards == 0 for k in recent)]
+            complete = sorted(k for k, per_host in steady.items() if all(h in per_host for h in members))
+            recent = complete[-self.straggler_window:]
+            candidates = [h for h in members if recent and all(steady[k][h].shards == 0 for k in recent)]
         found = stragglers.find_straggler(steady, members, factor=self.straggler_factor, steps=self.straggler_window,
                                           candidates=candidates)
         if found is None:
@@ -563,7 +566,8 @@ class Controller:
         step_now = max(self.members[h].step for h in members)
         decision = stragglers.decide(found, members=members, spares=spares,
                                      remaining_steps=max(0, self.total_steps - step_now),
-                                     reform_seconds=reform_seconds, min_hosts=self.min_hosts)
+                                     reform_seconds=reform_seconds, min_hosts=self.min_hosts,
+                                     idle=candidates is not members)
         record = {**decision.to_dict(), "generation": world.generation, "at_step": step_now}
         if self.decisions and self.decisions[-1]["generation"] == world.generation and decision.action == "keep":
             return  # already judged in this world; "keep" stands until the world changes

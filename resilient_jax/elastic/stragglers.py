@@ -91,7 +91,9 @@ def find_straggler(window: dict[int, dict[str, StepTiming]], members: list[str],
 
 
 def decide(straggler: Straggler, *, members: list[str], spares: list[str], remaining_steps: int,
-           reform_seconds: float, min_hosts: int) -> Decision:
+           reform_seconds: float, min_hosts: int, idle: bool = False) -> Decision:
+    """`idle`: the straggler holds no virtual shard (resilient_jax.assignment), so removing it
+    moves no work to the others."""
     if spares:
         return Decision("replace", straggler, spares[0],
                         f"{straggler.host} took {straggler.ratio:.2f}x the others' step time over steps "
@@ -101,9 +103,10 @@ def decide(straggler: Straggler, *, members: list[str], spares: list[str], remai
         return Decision("keep", straggler, None, f"removing {straggler.host} would leave {n - 1} hosts "
                                                  f"< runtime.min_hosts {min_hosts}")
     with_it = straggler.own_seconds * remaining_steps
-    without_it = straggler.others_seconds * n / (n - 1) * remaining_steps + reform_seconds
+    smaller = straggler.others_seconds * (1.0 if idle else n / (n - 1))
+    without_it = smaller * remaining_steps + reform_seconds
     numbers = (f"{remaining_steps} steps left: {straggler.own_seconds:.3f} s/step with {straggler.host} -> "
-               f"{with_it:.1f} s; {straggler.others_seconds * n / (n - 1):.3f} s/step on {n - 1} hosts + "
+               f"{with_it:.1f} s; {smaller:.3f} s/step on {n - 1} hosts + "
                f"{reform_seconds:.1f} s to re-form -> {without_it:.1f} s")
     if without_it < with_it:
         return Decision("remove", straggler, None, f"no spare; faster without it ({numbers})")

@@ -99,6 +99,7 @@ class Heartbeat(threading.Thread):
         self.on_abort = lambda generation: None
         self._timings: list[list] = []  # [step, ready s, step s, wall time, shards held] not yet reported
         self._progress: list[list] = []  # [step, loss, tokens/s] of logged steps not yet reported
+        self._reassignments: list[dict] = []  # shard re-plans not yet reported
         self._lock = threading.Lock()
         self._stop = threading.Event()
 
@@ -106,6 +107,11 @@ class Heartbeat(threading.Thread):
         with self._lock:
             self._timings.append([step, ready_seconds, step_seconds, time.time(), shards])
         self.step, self.step_seconds = step, step_seconds
+
+    def report_reassignment(self, event: dict) -> None:
+        """A shard re-plan (rank 0 reports it for the world), sent with the next heartbeat."""
+        with self._lock:
+            self._reassignments.append(event)
 
     def report_progress(self, step: int, loss: float, tokens_per_s: float) -> None:
         """A logged step, for the driver's console (sent with the next heartbeat)."""
@@ -119,19 +125,21 @@ class Heartbeat(threading.Thread):
             with self._lock:
                 timings, self._timings = self._timings, []
                 progress, self._progress = self._progress, []
+                reassignments, self._reassignments = self._reassignments, []
             generation = self.generation
             stalled = self.clock.stalled_for()
             try:
                 reply = self.client.call("/heartbeat", retry_seconds=0, host=self.host, generation=generation,
                                          step=self.step, step_seconds=self.step_seconds, stalled_seconds=stalled,
                                          deadline_seconds=min(self.clock.deadline(), 1e9), timings=timings,
-                                         progress=progress)
+                                         progress=progress, reassignments=reassignments)
             except ControllerError as e:
                 # Briefly unreachable: keep training; membership has not changed as far as we know.
                 log.debug("heartbeat failed: %s", e)
                 with self._lock:
                     self._timings = timings + self._timings
                     self._progress = progress + self._progress
+                    self._reassignments = reassignments + self._reassignments
                 continue
             self.reform_signal = int(reply.get("reform_signal", 0))
             self.stop_reason = reply.get("stop") or self.stop_reason
@@ -196,16 +204,21 @@ class ShareKeeper:
         uniform = self.planner.uniform[jax.process_index()]
         return self.mine() / uniform if uniform else 1.0
 
-    def observe(self, completed: int, micros: np.ndarray, *, skip: bool) -> Reassignment | None:
+    def observe(self, completed: int, gathered: np.ndarray, *, skip: bool) -> Reassignment | None:
+        """`gathered`: per host [ready us, in-step us, shards held], from the step-boundary all-gather."""
         from resilient_jax import assignment
 
         if self.planner is None:
             return None
-        if skip:  # a world's first step carries warm-up; plan from steady steps only
+        sample = assignment.Sample(step=completed, shards=tuple(int(x) for x in gathered[:, 2]),
+                                   ready=tuple(float(x) / 1e6 for x in gathered[:, 0]),
+                                   in_step=tuple(float(x) / 1e6 for x in gathered[:, 1]))
+        if sample.shards != self.planner.counts:  # every host ran what every host planned, or stop here
+            raise assignment.DisagreementError(
+                f"step {completed}: the hosts held {list(sample.shards)} shards, this host planned "
+                f"{list(self.planner.counts)}")
+        if skip:  # a world's first step carries warm-up; a stopping or changing world plans nothing
             return None
-        sample = assignment.Sample(step=completed, shards=self.planner.counts,
-                                   ready=tuple(float(x) / 1e6 for x in micros[:, 0]),
-                                   in_step=tuple(float(x) / 1e6 for x in micros[:, 1]))
         self.planner, decision = assignment.observe(self.planner, sample, self.policy)
         if decision is None:
             return None
@@ -517,6 +530,7 @@ class Worker:
                 ready_from = time.perf_counter()
                 self.faults.delay(step, clock, shares.share())
                 self.faults.arm(step)
+                waited = loop.loader.wait_seconds
                 t0 = clock.started_at = time.perf_counter()
                 state = loop.step(state, step)
                 clock.started_at = None
@@ -524,7 +538,10 @@ class Worker:
                 clock.recent.append(seconds)
                 self.kept.completed_step = step
                 step += 1  # the step just run is step `step` in the run's numbering
-                self.heartbeat.record(step, t0 - ready_from, seconds, shares.mine())
+                # Waiting for this host's input is host-side time, not time inside the step.
+                data_wait = min(loop.loader.wait_seconds - waited, seconds)
+                ready, seconds_in_step = t0 - ready_from + data_wait, seconds - data_wait
+                self.heartbeat.record(step, ready, seconds_in_step, shares.mine())
                 if first:
                     self.client.call("/progress", retry_seconds=5, host=self.host, generation=self.generation,
                                      step=step)
@@ -535,12 +552,13 @@ class Worker:
                            STOP_REASONS.index("preempted") if loop.preempted else 0)
                 # The same all-gather carries every host's timings of this step: each host then plans
                 # the next step's shard assignment from the same numbers (resilient_jax.assignment).
-                signals = np.array([self.heartbeat.reform_signal, stop, *ShareKeeper.encode(t0 - ready_from, seconds)],
-                                   np.int32)
-                gathered = np.asarray(multihost_utils.process_allgather(signals)).reshape(-1, 4)
+                signals = np.array([self.heartbeat.reform_signal, stop, *ShareKeeper.encode(ready, seconds_in_step),
+                                    shares.mine()], np.int32)
+                gathered = np.asarray(multihost_utils.process_allgather(signals)).reshape(-1, 5)
                 agreed = gathered[:, :2].max(axis=0)
                 planned_from = time.perf_counter()
-                decision = shares.observe(step, gathered[:, 2:], skip=first_of_world)
+                # No re-plan at a boundary where the world stops or changes (the next world starts uniform).
+                decision = shares.observe(step, gathered[:, 2:], skip=first_of_world or bool(agreed.any()))
                 first_of_world = False
                 if decision is not None:
                     self._reassigned(decision, loop, step, started=planned_from)
@@ -563,7 +581,8 @@ class Worker:
         """Take the new assignment from the next step on (every member does, at the same step).
 
         The event's `replan_seconds`: planning and switching the loader to the new rows, on this
-        host (the next step's re-read of its batch shows in that step's ready time)."""
+        host (the next step's re-read of its batch shows in that step's data wait, part of its
+        ready time)."""
         import jax
 
         loop.set_layout(decision.device_counts, from_step=step)
@@ -572,7 +591,7 @@ class Worker:
                  list(decision.decision.new), decision.decision.kind)
         if jax.process_index() == 0:
             loop.log.event({**event, "generation": self.generation})
-            self.client.call("/reassign", retry_seconds=5, host=self.host, generation=self.generation, event=event)
+            self.heartbeat.report_reassignment(event)  # with the next heartbeat: the step never waits
 
     def _finish(self, trainer, loop, ckpt, state, step: int, *, stopped: str | None) -> str:
         """The last checkpoint (committed before returning), then the summary from rank 0."""
