@@ -387,7 +387,10 @@ class Controller:
                 self.stop_reason = reason
                 self._write_status()
 
-    def done(self, host: str, summary: dict) -> dict:
+    def done(self, host: str, summary: dict, reassignments: list | None = None) -> dict:
+        """The final rank 0's summary; `reassignments`: its re-plans not yet sent by a heartbeat."""
+        for event in reassignments or ():
+            self.reassign(host, self.world.generation if self.world else 0, event)
         with self._lock:
             self.summary = summary
             if self._history_begun:  # this invocation's figures, from the final rank 0

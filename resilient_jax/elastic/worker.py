@@ -113,6 +113,12 @@ class Heartbeat(threading.Thread):
         with self._lock:
             self._reassignments.append(event)
 
+    def take_reassignments(self) -> list[dict]:
+        """The re-plans not sent yet (the last rank 0 hands them over with its summary)."""
+        with self._lock:
+            taken, self._reassignments = self._reassignments, []
+        return taken
+
     def report_progress(self, step: int, loss: float, tokens_per_s: float) -> None:
         """A logged step, for the driver's console (sent with the next heartbeat)."""
         with self._lock:
@@ -604,7 +610,8 @@ class Worker:
         if stopped:
             log.info("stopped (%s) at step %d with a checkpoint", stopped, step)
         if jax.process_index() == 0:
-            self.client.call("/done", retry_seconds=30, host=self.host, summary=summary)
+            self.client.call("/done", retry_seconds=30, host=self.host, summary=summary,
+                             reassignments=self.heartbeat.take_reassignments())
         return "finished"
 
     def _report_progress(self, step: int, seconds: float, loop) -> None:
