@@ -118,11 +118,14 @@ class Trainer:
         self.stop_at = stop_at
         self.faults = faults_lib.parse_faults(cfg.faults)
         self.mesh = mesh_lib.build_mesh(cfg.parallel, devices)
-        # Slots for an uneven assignment only where shards can move between hosts (see assignment.py).
+        # Slots for an uneven assignment wherever shards could move between hosts (see assignment.py),
+        # whatever the policy: `uniform` then runs the same program, so a run that switches policy,
+        # and the worlds of runs with either, share compiled programs.
         self.assignment = assignment_policy(cfg, jax.process_count())
+        movable = jax.process_count() > 1 and cfg.parallel.reduction == "invariant"
         self.plan = step_lib.make_shard_plan(
             cfg.data.global_batch, cfg.parallel.virtual_shards, mesh_lib.grid_size(self.mesh),
-            max_share=cfg.runtime.max_share if self.assignment == "proportional" else 1.0,
+            max_share=cfg.runtime.max_share if movable else 1.0,
         )
         self.layout = self.plan.layout()
         mesh_lib.check_model_layout(cfg.model, dict(self.mesh.shape))
