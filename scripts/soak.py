@@ -210,8 +210,16 @@ def row_for(what: str, step: int, summary: dict) -> str:
                 f"recovery {lost[0]['recovery_seconds']:.1f} s)" if lost else "no failure recorded near this step")
     if kind == "slow_host":
         re_slots = [e for e in events if e["reason"] == "reslot" and e["reslotted"] == [f"h{target}"]]
-        return (f"{re_slots[0]['decision']['action']}d h{target} as a straggler" if re_slots
-                else "not reslotted (see straggler_decisions)")
+        if re_slots:
+            return f"{re_slots[0]['decision']['action']}d h{target} as a straggler"
+        host = f"h{target}"
+        moved = [d for d in (summary.get("assignment") or {}).get("decisions", []) if d["kind"] == "rebalance"
+                 and host in d["hosts"] and d["new_shards"][d["hosts"].index(host)] < d["old_shards"][d["hosts"].index(host)]]
+        if moved:
+            i = moved[0]["hosts"].index(host)
+            return (f"its shards moved to faster hosts at step {moved[0]['step']} "
+                    f"({moved[0]['old_shards'][i]} -> {moved[0]['new_shards'][i]})")
+        return "not reslotted, no shards moved (see straggler_decisions, assignment)"
     if kind == "delay_host":
         stalls = [s for s in summary["stalls"] if s["late_host"] == f"h{target}"]
         return f"waited out a {stalls[0]['waited_seconds']:.1f} s stall" if stalls else "no stall recorded (absorbed)"
