@@ -33,7 +33,24 @@ import math
 import statistics
 from dataclasses import dataclass, field, replace
 
-POLICIES = ("proportional", "uniform")
+def shards_can_move(reduction: str, hosts: int) -> bool:
+    """Only the exact reduction keeps every bit when shards change hands, and only between hosts."""
+    return hosts > 1 and reduction == "invariant"
+
+
+def effective_policy(requested: str, reduction: str, hosts: int) -> str:
+    """`runtime.assignment` as it acts: "proportional" only where shards can move."""
+    return "proportional" if requested == "proportional" and shards_can_move(reduction, hosts) else "uniform"
+
+
+def first_move_away(decisions: list[dict], host: str, after_step: int = 0) -> dict | None:
+    """The first rebalance event (to_event's dict) after `after_step` that took shards from `host`."""
+    for d in decisions:
+        if d["kind"] == "rebalance" and d["step"] > after_step and host in d["hosts"]:
+            i = d["hosts"].index(host)
+            if d["new_shards"][i] < d["old_shards"][i]:
+                return d
+    return None
 
 
 class DisagreementError(RuntimeError):
@@ -68,7 +85,6 @@ class Planner:
     counts: tuple[int, ...]  # shards per host, the assignment in force
     capacity: tuple[int, ...]  # most shards each host can hold (its devices x slots per device)
     uniform: tuple[int, ...]  # the uniform assignment (what `runtime.assignment=uniform` keeps)
-    since: int  # first step the counts were in force
     window: tuple[Sample, ...] = ()  # samples under the current counts
     per_shard: tuple[float | None, ...] = ()  # last measured host-side seconds per shard, per host
     idle_from: tuple[int | None, ...] = ()  # step a host went to 0 shards
@@ -76,7 +92,7 @@ class Planner:
     @classmethod
     def start(cls, uniform: list[int], capacity: list[int], step: int) -> Planner:
         n = len(uniform)
-        return cls(counts=tuple(uniform), capacity=tuple(capacity), uniform=tuple(uniform), since=step,
+        return cls(counts=tuple(uniform), capacity=tuple(capacity), uniform=tuple(uniform),
                    per_shard=(None,) * n, idle_from=tuple(step if c == 0 else None for c in uniform))
 
 
@@ -228,4 +244,4 @@ def _probe(planner: Planner, nxt: int, policy: Policy) -> Decision | None:
 def _take(planner: Planner, decision: Decision, nxt: int) -> Planner:
     idle = tuple((planner.idle_from[h] if planner.idle_from[h] is not None and decision.kind != "probe" else nxt)
                  if c == 0 else None for h, c in enumerate(decision.new))
-    return replace(planner, counts=decision.new, since=nxt, window=(), idle_from=idle)
+    return replace(planner, counts=decision.new, window=(), idle_from=idle)

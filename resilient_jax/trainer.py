@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from resilient_jax import assignment as assignment_lib
 from resilient_jax import compile_cache
 from resilient_jax import data as data_lib
 from resilient_jax import faults as faults_lib
@@ -59,14 +60,6 @@ def resolve_dataset(cfg: DataConfig, verified: data_lib.Manifest | None = None) 
     if verified is not None and verified.root == manifest.root and verified.version == manifest.version:
         return manifest
     return data_lib.verify_dataset(path)
-
-
-def assignment_policy(cfg: Config, processes: int) -> str:
-    """"proportional" only where it can act and keeps the bits: several hosts, the exact reduction
-    (a native float sum would change with the order of shards)."""
-    if cfg.runtime.assignment == "proportional" and processes > 1 and cfg.parallel.reduction == "invariant":
-        return "proportional"
-    return "uniform"
 
 
 @dataclass
@@ -121,13 +114,14 @@ class Trainer:
         # Slots for an uneven assignment wherever shards could move between hosts (see assignment.py),
         # whatever the policy: `uniform` then runs the same program, so a run that switches policy,
         # and the worlds of runs with either, share compiled programs.
-        self.assignment = assignment_policy(cfg, jax.process_count())
-        movable = jax.process_count() > 1 and cfg.parallel.reduction == "invariant"
+        hosts = jax.process_count()
+        self.assignment = assignment_lib.effective_policy(cfg.runtime.assignment, cfg.parallel.reduction, hosts)
         self.plan = step_lib.make_shard_plan(
             cfg.data.global_batch, cfg.parallel.virtual_shards, mesh_lib.grid_size(self.mesh),
-            max_share=cfg.runtime.max_share if movable else 1.0,
+            max_share=cfg.runtime.max_share if assignment_lib.shards_can_move(cfg.parallel.reduction, hosts) else 1.0,
         )
         self.layout = self.plan.layout()
+        self._grid_processes = self._owners_of_grid()
         mesh_lib.check_model_layout(cfg.model, dict(self.mesh.shape))
         self.manifest = resolve_dataset(cfg.data, verified_dataset)
         self.model_def = state_lib.make_model_def(cfg.model, cfg.task.import_dir)
@@ -156,6 +150,9 @@ class Trainer:
 
     def grid_processes(self) -> list[int]:
         """The process of each device of the data x fsdp grid (data-major: grid device (d, f) = d*fsdp + f)."""
+        return list(self._grid_processes)
+
+    def _owners_of_grid(self) -> list[int]:
         fsdp = self.mesh.shape[mesh_lib.FSDP_AXIS]
         owner: dict[int, int] = {}
         for idx, d in np.ndenumerate(self.mesh.devices):

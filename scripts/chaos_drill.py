@@ -138,9 +138,9 @@ def rows_for(scenario: Scenario, summary: dict, reference: str) -> list[Row]:
                             stall and stall["late_by_seconds"], expected=ok, **common))
         elif kind == "slow_host" and summary["assignment"]["policy"] == "proportional":
             host = f"h{target}"
-            moved = [d for d in summary["assignment"]["decisions"] if d["kind"] == "rebalance" and d["step"] > step
-                     and d["new_shards"][d["hosts"].index(host)] < d["old_shards"][d["hosts"].index(host)]]
-            d = moved[0] if moved else None
+            from resilient_jax.assignment import first_move_away
+
+            d = first_move_away(summary["assignment"]["decisions"], host, after_step=step)
             # Within two measurement windows of the slowdown (the first one still holds warm steps).
             ok = d is not None and not events and d["step"] - step <= 2 * (d["window_steps"][1] - d["window_steps"][0] + 1) + 1
             if d:

@@ -213,12 +213,13 @@ def row_for(what: str, step: int, summary: dict) -> str:
         if re_slots:
             return f"{re_slots[0]['decision']['action']}d h{target} as a straggler"
         host = f"h{target}"
-        moved = [d for d in (summary.get("assignment") or {}).get("decisions", []) if d["kind"] == "rebalance"
-                 and host in d["hosts"] and d["new_shards"][d["hosts"].index(host)] < d["old_shards"][d["hosts"].index(host)]]
+        from resilient_jax.assignment import first_move_away
+
+        moved = first_move_away((summary.get("assignment") or {}).get("decisions", []), host)
         if moved:
-            i = moved[0]["hosts"].index(host)
-            return (f"its shards moved to faster hosts at step {moved[0]['step']} "
-                    f"({moved[0]['old_shards'][i]} -> {moved[0]['new_shards'][i]})")
+            i = moved["hosts"].index(host)
+            return (f"its shards moved to faster hosts at step {moved['step']} "
+                    f"({moved['old_shards'][i]} -> {moved['new_shards'][i]})")
         return "not reslotted, no shards moved (see straggler_decisions, assignment)"
     if kind == "delay_host":
         stalls = [s for s in summary["stalls"] if s["late_host"] == f"h{target}"]

@@ -555,9 +555,7 @@ class Controller:
         if self.assignment == "proportional" and not any(m.status == "spare" for m in self.members.values()):
             # Moving shards absorbs a slow host; removing it is for one that held none over the
             # whole window and still held the step back (worse than idle).
-            complete = sorted(k for k, per_host in steady.items() if all(h in per_host for h in members))
-            recent = complete[-self.straggler_window:]
-            candidates = [h for h in members if recent and all(steady[k][h].shards == 0 for k in recent)]
+            candidates = stragglers.idle_throughout(steady, members, self.straggler_window)
         found = stragglers.find_straggler(steady, members, factor=self.straggler_factor, steps=self.straggler_window,
                                           candidates=candidates)
         if found is None:

@@ -27,6 +27,7 @@ import threading
 import time
 from pathlib import Path
 
+from resilient_jax.assignment import effective_policy
 from resilient_jax import compile_cache
 from resilient_jax import faults as faults_lib
 from resilient_jax import gpu_env
@@ -120,8 +121,7 @@ def _drive(cfg: Config, run_dir: Path, options: dict, history: RunHistory) -> di
         min_hosts=cfg.runtime.min_hosts, total_steps=cfg.train.steps,
         straggler_factor=cfg.runtime.straggler_factor, straggler_window=cfg.runtime.straggler_window,
         console=_console, run_options=options, history=history, tls=server_tls,
-        assignment="proportional" if (cfg.runtime.assignment == "proportional"
-                                      and cfg.parallel.reduction == "invariant") else "uniform",
+        assignment=effective_policy(cfg.runtime.assignment, cfg.parallel.reduction, len(plan)),
     )
     controller_file = run_dir / "elastic" / "controller.json"
     controller_file.write_text(json.dumps({"url": controller.url, "pid": os.getpid(),

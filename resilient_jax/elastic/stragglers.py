@@ -65,11 +65,22 @@ def own_times(timings: dict[str, StepTiming]) -> dict[str, float]:
     return {host: t.ready + shared for host, t in timings.items()}
 
 
+def complete_steps(window: dict[int, dict[str, StepTiming]], members: list[str], steps: int) -> list[int]:
+    """The last `steps` steps that every member reported."""
+    return sorted(k for k, per_host in window.items() if all(h in per_host for h in members))[-steps:]
+
+
+def idle_throughout(window: dict[int, dict[str, StepTiming]], members: list[str], steps: int) -> list[str]:
+    """Members that held no virtual shard in any of the last `steps` complete steps."""
+    recent = complete_steps(window, members, steps)
+    return [h for h in members if recent and all(window[k][h].shards == 0 for k in recent)]
+
+
 def find_straggler(window: dict[int, dict[str, StepTiming]], members: list[str], *, factor: float,
                    steps: int, candidates: list[str] | None = None) -> Straggler | None:
     """The host persistently slower than the rest over the last `steps` steps that every member
     reported; only `candidates` (default: every member) can be named."""
-    complete = sorted(k for k, per_host in window.items() if all(h in per_host for h in members))[-steps:]
+    complete = complete_steps(window, members, steps)
     if len(members) < 2 or len(complete) < steps:
         return None
     own = {k: own_times({h: window[k][h] for h in members}) for k in complete}
