@@ -18,9 +18,14 @@ from __future__ import annotations
 
 import math
 
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+if TYPE_CHECKING:
+    from resilient_jax.hierarchy import RegionGroups
 
 
 def _flat_concat(leaves) -> jax.Array:
@@ -43,10 +48,37 @@ def pmax(tree, axes):
     return jax.tree.unflatten(treedef, _split(flat, [x.shape for x in leaves]))
 
 
-def sum_scatter(tree, scatter_dims, *, fsdp_axis: str, fsdp_size: int, data_axis: str):
+def data_sum(flat: jax.Array, data_axis: str, groups: "RegionGroups | None" = None) -> jax.Array:
+    """`lax.psum(flat, data_axis)` of a 1-D buffer: flat, or in the region-aware order of `groups`
+    (resilient_jax.hierarchy) -- three single-operand collectives, of which only the middle one
+    crosses a region boundary, carrying 1/k of the buffer. The same sum for integers (exact);
+    a different rounding order for floats."""
+    if groups is None:
+        return lax.psum(flat, data_axis)
+    k, n = groups.slices, flat.shape[0]
+    x = jnp.pad(flat, (0, -n % k)).reshape(k, -1)
+    in_region, cross = [list(g) for g in groups.in_region], [list(g) for g in groups.cross]
+    if groups.uniform:
+        part = lax.psum_scatter(x, data_axis, scatter_dimension=0, tiled=True, axis_index_groups=in_region)
+        part = lax.psum(part, data_axis, axis_index_groups=cross)
+        full = lax.all_gather(part, data_axis, axis=0, tiled=True, axis_index_groups=in_region)
+    else:
+        j = jnp.asarray(groups.position(), jnp.int32)[lax.axis_index(data_axis)]
+        regional = lax.psum(x, data_axis, axis_index_groups=in_region)
+        slot = jnp.minimum(j, k - 1)  # members j >= k hold no slice: a group of one, then zeros
+        part = lax.psum(lax.dynamic_index_in_dim(regional, slot, keepdims=True), data_axis, axis_index_groups=cross)
+        mine = jnp.where(j < k, part, jnp.zeros_like(part))
+        full = lax.psum(lax.dynamic_update_slice_in_dim(jnp.zeros_like(x), mine, slot, axis=0), data_axis,
+                        axis_index_groups=in_region)
+    return full.reshape(-1)[:n]
+
+
+def sum_scatter(tree, scatter_dims, *, fsdp_axis: str, fsdp_size: int, data_axis: str,
+                groups: "RegionGroups | None" = None):
     """Per leaf: sum over `fsdp_axis`, scattered (tiled) along its `scatter_dims` entry (-1: kept
-    whole), then summed over `data_axis` -- as at most three single-operand collectives
-    (reduce-scatter over fsdp, all-reduce over fsdp, all-reduce over data). Leaves share one dtype."""
+    whole), then summed over `data_axis` (flat, or region-aware: see `data_sum`) -- as
+    single-operand collectives (reduce-scatter over fsdp, all-reduce over fsdp, then the data sum).
+    Leaves share one dtype."""
     leaves, treedef = jax.tree.flatten(tree)
     dims = treedef.flatten_up_to(scatter_dims)
     scattered = [i for i, d in enumerate(dims) if d >= 0]
@@ -69,7 +101,7 @@ def sum_scatter(tree, scatter_dims, *, fsdp_axis: str, fsdp_size: int, data_axis
     if whole:
         flat = _flat_concat([leaves[i] for i in whole])
         parts.append(lax.psum(flat, fsdp_axis) if fsdp_size > 1 else flat)
-    summed = lax.psum(jnp.concatenate(parts) if len(parts) > 1 else parts[0], data_axis)
+    summed = data_sum(jnp.concatenate(parts) if len(parts) > 1 else parts[0], data_axis, groups)
 
     order = scattered + whole
     moved_shapes = []

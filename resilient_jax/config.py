@@ -194,6 +194,10 @@ class ParallelConfig:
     # `invariant`: exact int64 fixed-point sum, the same bits on every (data, fsdp) layout and process
     # count; `native`: XLA's float reduce-scatter / psum.
     reduction: Literal["invariant", "native"] = "invariant"
+    # Across the regions of topology.regions: `hierarchical` sums within each region first and sends
+    # only each replica's slice across (the same bits, resilient_jax.hierarchy); `flat`: one sum
+    # over every replica.
+    cross_region: Literal["hierarchical", "flat"] = "hierarchical"
 
 
 @dataclass(frozen=True)

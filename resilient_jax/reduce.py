@@ -161,9 +161,10 @@ def fixed_lsb(exp, num_shards: int):
     return jax.tree.map(lambda e: e - jnp.int32(62 - headroom_bits(num_shards)), exp)
 
 
-def reduce_exact(accs, lsb, *, scatter_axes, data_axis: str, fsdp_axis: str):
+def reduce_exact(accs, lsb, *, scatter_axes, data_axis: str, fsdp_axis: str, groups=None):
     """Shift every device's accumulator to the global lsb, reduce-scatter over fsdp (to each leaf's
-    `scatter_axes` entry; -1: all-reduce) and all-reduce over data; back to float32.
+    `scatter_axes` entry; -1: all-reduce) and all-reduce over data (flat, or region-aware with
+    `groups`: resilient_jax.hierarchy; integers, so the same bits); back to float32.
 
     The whole tree travels as one int64 buffer per collective (resilient_jax.collectives says why)."""
     with jax.enable_x64(True):
@@ -171,7 +172,7 @@ def reduce_exact(accs, lsb, *, scatter_axes, data_axis: str, fsdp_axis: str):
         shifted = jax.tree.map(lambda a, lsb_g: _shift_left(a.acc, _expand(a.lsb - lsb_g, a.acc.ndim)),
                                accs, lsb, is_leaf=is_acc)
         summed = collectives.sum_scatter(shifted, scatter_axes, fsdp_axis=fsdp_axis, fsdp_size=fsdp_size,
-                                         data_axis=data_axis)
+                                         data_axis=data_axis, groups=groups)
 
         def leaf(x: jax.Array, lsb_g: jax.Array, axis: int) -> jax.Array:
             if 0 <= axis < lsb_g.ndim:  # this device's rows of the per-block lsb
@@ -184,10 +185,11 @@ def reduce_exact(accs, lsb, *, scatter_axes, data_axis: str, fsdp_axis: str):
         return jax.tree.map(leaf, summed, lsb, scatter_axes)
 
 
-def reduce_native(grads, *, scatter_axes, data_axis: str, fsdp_axis: str):
-    """Plain float reduce-scatter over fsdp and all-reduce over data (one buffer per collective)."""
+def reduce_native(grads, *, scatter_axes, data_axis: str, fsdp_axis: str, groups=None):
+    """Plain float reduce-scatter over fsdp and all-reduce over data (one buffer per collective;
+    region-aware with `groups`, which changes the float rounding order)."""
     return collectives.sum_scatter(grads, scatter_axes, fsdp_axis=fsdp_axis, fsdp_size=lax.axis_size(fsdp_axis),
-                                   data_axis=data_axis)
+                                   data_axis=data_axis, groups=groups)
 
 
 def is_acc(x) -> bool:

@@ -32,7 +32,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
 from resilient_jax import mesh as mesh_lib
-from resilient_jax import collectives, reduce, rng
+from resilient_jax import collectives, hierarchy, reduce, rng
 from resilient_jax.losses import LossFn, next_token_cross_entropy
 from resilient_jax.state import ModelDef, TrainState
 
@@ -151,7 +151,7 @@ def _gather_stats(stats: _ShardStats, axes, slots: jax.Array):
 
 def make_compute(
     model_def: ModelDef, mesh: Mesh, plan: ShardPlan, *, seed: int, mode: reduce.Reduction, use_dropout: bool,
-    loss_fn: LossFn = next_token_cross_entropy,
+    loss_fn: LossFn = next_token_cross_entropy, regions: hierarchy.RegionGroups | None = None,
 ) -> "Compute":
     """grads = compute(params, tokens, weights, step): the step's only collectives.
 
@@ -161,11 +161,15 @@ def make_compute(
     in exact integers (`invariant`) or float (`native`). `tensor` stays automatic (GSPMD) when >1.
     `use_dropout`: give the model each shard's dropout key; `loss_fn`: task.loss, given its own key
     unless it is the deterministic default (see resilient_jax.rng and resilient_jax.losses).
+    `regions`: sum over data in that region-aware order (resilient_jax.hierarchy) instead of flat.
     """
     if plan.devices != mesh_lib.grid_size(mesh):
         raise ValueError(f"the shard plan is for {plan.devices} devices, the mesh's data x fsdp grid has "
                          f"{mesh_lib.grid_size(mesh)}")
     mesh_lib.check_model_layout(model_def.cfg, dict(mesh.shape))
+    if regions is not None and len(regions.regions) != mesh.shape[mesh_lib.DATA_AXIS]:
+        raise ValueError(f"the region groups are for {len(regions.regions)} data indices, the mesh has "
+                         f"{mesh.shape[mesh_lib.DATA_AXIS]}")
     data, fsdp, tensor = mesh_lib.DATA_AXIS, mesh_lib.FSDP_AXIS, mesh_lib.TENSOR_AXIS
     manual = {data, fsdp} | ({tensor} if mesh.shape[tensor] == 1 else set())
     use_loss_key = loss_fn is not next_token_cross_entropy
@@ -219,7 +223,7 @@ def make_compute(
         if mode == "native":
             acc, stats = shard_loop(params, step, tokens, weights, first, count,
                                     jax.tree.map(jnp.zeros_like, params), lambda a, g: jax.tree.map(jnp.add, a, g))
-            grads = reduce.reduce_native(acc, scatter_axes=fsdp_dims, data_axis=data, fsdp_axis=fsdp)
+            grads = reduce.reduce_native(acc, scatter_axes=fsdp_dims, data_axis=data, fsdp_axis=fsdp, groups=regions)
             passes = jnp.int32(1)
         else:
             with jax.enable_x64(True):
@@ -257,7 +261,8 @@ def make_compute(
         init = (reduce.own_exponent_plan(zeros), jnp.bool_(False), zeros,
                 jax.tree.map(lambda a: a.lsb, zeros, is_leaf=reduce.is_acc), stats0, jnp.int32(0))
         _, _, accs, lsb, stats, tries = lax.while_loop(lambda c: ~c[1], attempt, init)
-        grads = reduce.reduce_exact(accs, lsb, scatter_axes=fsdp_dims, data_axis=data, fsdp_axis=fsdp)
+        grads = reduce.reduce_exact(accs, lsb, scatter_axes=fsdp_dims, data_axis=data, fsdp_axis=fsdp,
+                                    groups=regions)
         return grads, stats, tries
 
     sharded = jax.shard_map(

@@ -24,6 +24,7 @@ from resilient_jax import compile_cache
 from resilient_jax import data as data_lib
 from resilient_jax import faults as faults_lib
 from resilient_jax import flops as flops_lib
+from resilient_jax import hierarchy
 from resilient_jax import mesh as mesh_lib
 from resilient_jax import plugins
 from resilient_jax import state as state_lib
@@ -101,10 +102,11 @@ class RunTotals:
 class Trainer:
     def __init__(self, cfg: Config, *, devices: list[jax.Device] | None = None, resume: str | None = None,
                  allow_config_change: list[str] = (), stop_at: int | None = None,
-                 verified_dataset: data_lib.Manifest | None = None):
+                 verified_dataset: data_lib.Manifest | None = None, regions: dict[int, str] | None = None):
         """`resume`, `allow_config_change`: see resilient_jax.checkpoint.session; `stop_at`: stop (and
         checkpoint) after that many steps, as a preemption would; `verified_dataset`: see
-        resolve_dataset."""
+        resolve_dataset; `regions`: each process's region (an elastic world), for the
+        region-aware reduction (`parallel.cross_region`)."""
         self.cfg = cfg
         self.resume = resume
         self.allow_config_change = list(allow_config_change)
@@ -138,13 +140,25 @@ class Trainer:
         self.shardings = state_lib.state_shardings(self.model_def, self.tx, self.mesh)
         # A model of your own always gets a dropout key (it may ignore it); the built-in only with dropout.
         use_dropout = cfg.model.dropout > 0 if self.model_def.builtin else True
+        self.region_groups = self._region_groups(regions)
         self.compute = step_lib.make_compute(
             self.model_def, self.mesh, self.plan,
             seed=cfg.train.seed, mode=cfg.parallel.reduction, use_dropout=use_dropout, loss_fn=loss_fn,
+            regions=self.region_groups,
         )
         self.apply = step_lib.make_apply(self.tx, self.schedule, self.shardings, self.mesh)
         self.run_dir = Path(cfg.run.dir)
         self.is_writer = jax.process_index() == 0
+
+    def _region_groups(self, regions: dict[int, str] | None) -> hierarchy.RegionGroups | None:
+        if self.cfg.parallel.cross_region == "flat" or not regions:
+            return None
+        by_data = hierarchy.data_regions(self.mesh.devices, regions)
+        return hierarchy.plan(by_data) if by_data else None
+
+    def reduction_order(self) -> str:
+        """How the gradient sum crosses hosts and regions (for logs and events)."""
+        return self.region_groups.describe() if self.region_groups else "flat"
 
     # -- batch placement ------------------------------------------------------------------------
 
@@ -313,7 +327,8 @@ class Trainer:
 
     def banner(self) -> str:
         return (f"resilient_jax: config {self.cfg.hash} | dataset {self.manifest.version[:16]} | "
-                f"mesh {dict(self.mesh.shape)} | {self.plan.num_shards} virtual shards ({self.cfg.parallel.reduction})")
+                f"mesh {dict(self.mesh.shape)} | {self.plan.num_shards} virtual shards ({self.cfg.parallel.reduction}, "
+                f"{self.reduction_order()})")
 
     # -- the run ------------------------------------------------------------------------------------
 

@@ -49,6 +49,7 @@ CASES = [
     (["--set", "runtime.assignment=fastest"], "config key runtime.assignment: expected one of proportional, uniform"),
     (["--set", "runtime.assignment_hysteresis=-0.1"], "config key runtime.assignment_hysteresis"),
     (["--set", "runtime.max_share=0"], "config key runtime.max_share"),
+    (["--set", "parallel.cross_region=ring"], "config key parallel.cross_region: expected one of hierarchical, flat"),
     (["--fault", "nan_shard:16@3"], "fault nan_shard:16@3: the dataset has 16 shards"),
     (["--fault", "nan_shard:3@200"], "fault nan_shard:3@200: step 200 is past the run's last step 199"),
     (["--fault", "kill_host:0@5"], "fault kill_host:0@5: kill_host needs an elastic run"),

@@ -450,11 +450,11 @@ class Worker:
         # from disk takes the newest checkpoint, which this run wrote itself.
         resume = self.resume if self.generation == 0 else None
         # The dataset is hashed in full once per worker process; later worlds check its identity.
+        regions = {i: world["regions"][h] for i, h in enumerate(members)}
         trainer = Trainer(self.cfg, devices=jax.devices(), resume=resume, allow_config_change=self.allow_config_change,
-                          verified_dataset=self.verified_dataset)
+                          verified_dataset=self.verified_dataset, regions=regions)
         self.verified_dataset = trainer.manifest
-        ckpt = trainer.checkpoints(generation=self.generation,
-                                   regions={i: world["regions"][h] for i, h in enumerate(members)})
+        ckpt = trainer.checkpoints(generation=self.generation, regions=regions)
         try:
             if world["source"] is None:
                 # A new run, or one resuming from the persistent checkpoint in run.dir.
@@ -475,8 +475,8 @@ class Worker:
                 position = _position_from_dict(world["data_position"])
             compiled = compile_cache.timed_compile(lambda: trainer.precompile(state))
             self.totals.compile_seconds += compiled.seconds
-            log.info("generation %d: compiled the step in %.2f s (%s)", self.generation, compiled.seconds,
-                     compiled.describe())
+            log.info("generation %d: compiled the step in %.2f s (%s); gradient sum %s", self.generation,
+                     compiled.seconds, compiled.describe(), trainer.reduction_order())
             world_lib.barrier(f"compiled-{self.generation}", timeout_seconds=300)
         except jax.errors.JaxRuntimeError as e:
             # A member died while this world was forming (the adoption broadcast or the barrier
@@ -485,7 +485,8 @@ class Worker:
             self._leave(ckpt)
             return "failure"
         metrics = self._metrics(trainer, start)
-        metrics.event({"event": "compile", "step": start, "generation": self.generation, **compiled.to_event()})
+        metrics.event({"event": "compile", "step": start, "generation": self.generation, **compiled.to_event(),
+                       "reduction_order": trainer.reduction_order()})
         loop = StepLoop(trainer, metrics, self.totals, ckpt, start_step=start, position=position)
         try:
             return self._steps(trainer, loop, ckpt, state, start)
