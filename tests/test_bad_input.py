@@ -175,3 +175,15 @@ def test_cli_run_dir_in_use_names_the_holder_and_leaves_it_alone(workdir):
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()
+
+
+def test_an_elastic_replica_split_between_hosts_is_one_line_before_any_host_starts(workdir, capsys):
+    # 2 devices per host cannot hold a replica of fsdp 4 whole: a survivor could not rebuild it.
+    code = train.main(["--config", str(REPO / "configs" / "cpu-4host.yaml"), "--set", "run.dir=runs/e",
+                       "--set", "parallel.fsdp=4"])
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
+    assert lines[0].startswith("error: parallel.fsdp x parallel.tensor = 4 devices per replica"), err
+    assert "topology.devices_per_host (2)" in lines[0]
+    assert not (workdir / "runs" / "e" / "elastic").exists()

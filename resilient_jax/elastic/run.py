@@ -68,6 +68,15 @@ def validate(cfg: Config) -> None:
     if len(set(names)) != len(names):
         raise ConfigError("topology.regions: region names must be unique")
     tls_lib.check_config(cfg.runtime, cfg.runtime.token or os.environ.get("RESILIENT_JAX_TOKEN", ""))
+    # A host must hold whole replicas: survivors rebuild the state from their own shards (and a
+    # region is summed over its replicas), which a replica split between hosts would not allow.
+    replica = max(cfg.parallel.fsdp, 1) * max(cfg.parallel.tensor, 1)
+    per_host = cfg.topology.devices_per_host
+    if per_host % replica:
+        raise ConfigError(
+            f"parallel.fsdp x parallel.tensor = {replica} devices per replica, which topology.devices_per_host "
+            f"({per_host}) cannot hold whole; an elastic run keeps each replica on one host: use fsdp x tensor "
+            f"dividing {per_host}, or more devices per host")
     hosts = len(host_plan(cfg))
     for fault in faults_lib.parse_faults(cfg.faults):
         # (A kill_region's region name is checked by preflight, which every run passes first.)
