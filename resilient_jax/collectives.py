@@ -17,7 +17,6 @@ as in a per-leaf collective, so integer sums are bit-identical either way.
 from __future__ import annotations
 
 import math
-
 from typing import TYPE_CHECKING
 
 import jax
