@@ -3,6 +3,12 @@
 Spec grammar (one string per fault):
     nan_shard:SHARD@STEP      poison data shard SHARD's loss weights with NaN from STEP on
     kill_host:H@STEP          SIGKILL host H (index in topology order) during step STEP
+    kill_host:H@formation:G   SIGKILL host H while generation G forms: after the world is announced and
+                              H has joined it, before its first step (a death during a recovery when G > 0)
+    kill_host:H@adopt:G       SIGKILL host H as generation G moves state to its members (G >= 1: the first
+                              world restores from disk or starts fresh; a world that restores from disk
+                              adopts nothing, so the fault does not fire there)
+    kill_host:H@save:STEP     SIGKILL host H while the checkpoint of STEP (completed steps) is being written
     kill_region:R@STEP        SIGKILL every host of region R at once during step STEP
     hang_host:H@STEP          SIGSTOP host H during step STEP (it stops answering, it does not exit)
     join_host@STEP            start one more host once the run reaches step STEP
@@ -25,7 +31,8 @@ from resilient_jax.config import ConfigError
 
 _SPECS = {
     "nan_shard": (re.compile(r"^nan_shard:(?P<target>\d+)@(?P<step>\d+)$"), "nan_shard:SHARD@STEP"),
-    "kill_host": (re.compile(r"^kill_host:(?P<target>\d+)@(?P<step>\d+)$"), "kill_host:HOST@STEP"),
+    "kill_host": (re.compile(r"^kill_host:(?P<target>\d+)@((?P<moment>[a-z_]+):)?(?P<step>\d+)$"),
+                  "kill_host:HOST@STEP or kill_host:HOST@MOMENT:N (MOMENT: formation, adopt, save)"),
     "kill_region": (re.compile(r"^kill_region:(?P<target>[\w.-]+)@(?P<step>\d+)$"), "kill_region:REGION@STEP"),
     "hang_host": (re.compile(r"^hang_host:(?P<target>\d+)@(?P<step>\d+)$"), "hang_host:HOST@STEP"),
     "join_host": (re.compile(r"^join_host@(?P<step>\d+)$"), "join_host@STEP"),
@@ -34,6 +41,10 @@ _SPECS = {
     "slow_host": (re.compile(r"^slow_host:(?P<target>\d+)@(?P<step>\d+)(-(?P<until>\d+))?:(?P<amount>\d+(\.\d*)?)$"),
                   "slow_host:HOST@STEP[-LAST]:FACTOR"),
 }
+
+# When a kill_host fires, besides inside a step: the moments of a recovery and of a checkpoint save.
+# formation and adopt count generations; save counts completed steps (the checkpoint's number).
+MOMENTS = ("formation", "adopt", "save")
 
 # Faults whose target is a host index (hN), checked against the run's host plan.
 HOST_TARGETED = ("kill_host", "hang_host", "delay_host", "slow_host")
@@ -45,12 +56,14 @@ ELASTIC_ONLY = (*HOST_TARGETED, "kill_region", "join_host")
 class Fault:
     kind: str
     target: str | None
-    step: int
+    step: int  # the step; for moment formation/adopt the generation G
     until: int | None = None  # delay_host, slow_host: last delayed step
     amount: float | None = None  # delay_host: seconds per step; slow_host: factor
+    moment: str = "step"  # kill_host: "step" (inside step `step`) or one of MOMENTS
 
     def __str__(self) -> str:
-        text = f"{self.kind}{'' if self.target is None else ':' + self.target}@{self.step}"
+        at = str(self.step) if self.moment == "step" else f"{self.moment}:{self.step}"
+        text = f"{self.kind}{'' if self.target is None else ':' + self.target}@{at}"
         if self.until is not None:
             text += f"-{self.until}"
         return text if self.amount is None else f"{text}:{self.amount:g}"
@@ -74,9 +87,18 @@ def parse_fault(spec: str) -> Fault:
     if not match:
         raise ConfigError(f"fault {spec!r}: expected {usage}")
     groups = match.groupdict()
+    moment = groups.get("moment") or "step"
+    if moment not in ("step", *MOMENTS):
+        raise ConfigError(f"fault {spec!r}: unknown moment {moment!r} (known: {', '.join(MOMENTS)}; or a step "
+                          f"number alone: {kind}:HOST@STEP)")
     fault = Fault(kind=kind, target=groups.get("target"), step=int(match["step"]),
                   until=int(groups["until"]) if groups.get("until") else None,
-                  amount=float(groups["amount"]) if groups.get("amount") else None)
+                  amount=float(groups["amount"]) if groups.get("amount") else None, moment=moment)
+    if moment == "adopt" and fault.step < 1:
+        raise ConfigError(f"fault {spec!r}: generation 0 adopts no state (it starts fresh or restores from "
+                          "disk), so this can never fire; use adopt:G with G >= 1 (the world after a change)")
+    if moment == "save" and fault.step < 1:
+        raise ConfigError(f"fault {spec!r}: checkpoints are numbered by completed steps, from 1")
     if fault.until is not None and fault.until < fault.step:
         raise ConfigError(f"fault {spec!r}: the last delayed step {fault.until} is before the first {fault.step}")
     if fault.kind == "slow_host" and fault.amount <= 1.0:

@@ -52,7 +52,11 @@ def check_faults(cfg: Config, faults: list[Fault]) -> None:
     steps = cfg.train.steps
     regions = [r.name for r in cfg.topology.regions]
     for fault in faults:
-        if fault.step >= steps:
+        if fault.moment == "save":
+            check_save_moment(cfg, fault)
+        elif fault.moment != "step":
+            pass  # a generation: how many worlds a run forms is not known up front
+        elif fault.step >= steps:
             raise ConfigError(f"fault {fault}: step {fault.step} is past the run's last step {steps - 1} "
                               f"(train.steps {steps}), so it can never fire")
         if fault.kind in ELASTIC_ONLY and not regions:
@@ -61,6 +65,21 @@ def check_faults(cfg: Config, faults: list[Fault]) -> None:
         if fault.kind == "kill_region" and fault.target not in regions:
             raise ConfigError(f"fault {fault}: no region named {fault.target!r} (topology.regions: "
                               f"{', '.join(regions)})")
+
+
+def check_save_moment(cfg: Config, fault: Fault) -> None:
+    """kill_host:H@save:STEP fires only while a checkpoint of STEP is written: checkpoints on, STEP a
+    periodic save before the last step (the final save ends the run: no world is left to absorb a
+    death there)."""
+    ck, steps = cfg.checkpoint, cfg.train.steps
+    if not ck.enabled:
+        raise ConfigError(f"fault {fault}: checkpoint.enabled is false, so no checkpoint is ever written")
+    if fault.step >= steps:
+        raise ConfigError(f"fault {fault}: the checkpoint of step {fault.step} is not written before the run's "
+                          f"last step {steps} (train.steps); pick a periodic save before it")
+    if not ck.every_seconds and (not ck.every_steps or fault.step % ck.every_steps):
+        raise ConfigError(f"fault {fault}: no checkpoint is written at step {fault.step} (checkpoint.every_steps "
+                          f"{ck.every_steps}); pick a multiple of it")
 
 
 def dataset_shard_count(cfg: Config) -> int:

@@ -21,8 +21,10 @@ Prints the schedule, one table row per fault (what the run recorded for it) and 
 writes soak.json, table.md and timeline.png (per-host step times, faults and generations on one
 time axis) to --out. Exits 0 only when every check holds.
 
-Not drawn (yet): a death while a world forms, adopts state or saves (the `@formation/@adopt/@save`
-injectors of the elastic-v2 issue do not exist yet).
+Not drawn (yet): a death while a world forms, adopts state or saves (`kill_host:H@formation:G`,
+`@adopt:G`, `@save:STEP`). They name a generation, and which generation a step falls in depends on
+how the run absorbed the earlier draws (a slow host may be given fewer shards or be removed), so a
+pure schedule cannot aim them; tests/test_elastic.py runs each of them on its own.
 """
 
 from __future__ import annotations

@@ -92,9 +92,17 @@ def test_bad_input_is_one_line_exit_2_nothing_written(workdir, capsys, extra, ex
 @pytest.mark.parametrize("fault, expected", [
     ("kill_region:mars@5", "fault kill_region:mars@5: no region named 'mars'"),
     ("kill_host:9@5", "fault kill_host:9@5: host 9 does not exist (hosts 0..3)"),
+    ("kill_host:9@formation:1", "fault kill_host:9@formation:1: host 9 does not exist (hosts 0..3)"),
+    ("kill_host:1@compile:1", "fault 'kill_host:1@compile:1': unknown moment 'compile' (known: formation, adopt, save"),
+    ("kill_host:1@save:25", "fault kill_host:1@save:25: no checkpoint is written at step 25 (checkpoint.every_steps 50)"),
+    ("kill_host:1@save:60", "fault kill_host:1@save:60: the checkpoint of step 60 is not written before the run's last"),
+    ("kill_host:1@save:50 --set checkpoint.enabled=false",
+     "fault kill_host:1@save:50: checkpoint.enabled is false, so no checkpoint is ever written"),
 ])
 def test_an_elastic_fault_aimed_at_nothing_is_one_line_before_any_host_starts(workdir, capsys, fault, expected):
-    code = train.main(["--config", str(REPO / "configs" / "cpu-4host.yaml"), "--set", "run.dir=runs/e", "--fault", fault])
+    fault, *extra = fault.split(" ")
+    code = train.main(["--config", str(REPO / "configs" / "cpu-4host.yaml"), "--set", "run.dir=runs/e", "--fault", fault,
+                       *extra])
     out, err = capsys.readouterr()
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and lines[0].startswith(f"error: {expected}"), err

@@ -65,6 +65,37 @@ def test_killed_host_is_absorbed_and_checkpoints_record_the_new_topology(tmp_pat
     assert [h["region"] for h in context["topology"]["hosts"]] == ["us", "eu", "eu"]
 
 
+def test_deaths_while_a_world_moves_state_and_while_one_forms_are_absorbed(tmp_path, reference):
+    # h1 dies in step 21; h2 dies as generation 1 moves h0's state to its members (a second failure
+    # during a recovery); h3 dies right after joining generation 2, before its first step.
+    summary = elastic_run(tmp_path, CPU4, "--fault", "kill_host:1@20", "--fault", "kill_host:2@adopt:1",
+                          "--fault", "kill_host:3@formation:2")
+    assert_absorbed(summary, reference, lost=["h1", "h2", "h3"], events=3)
+    assert [(e["generation"], e["lost"], e["resume_step"]) for e in summary["events"]] == [
+        (1, ["h1"], 20), (2, ["h2"], 20), (3, ["h3"], 20)]
+    assert all(summary["worker_exit_codes"][h] == -9 for h in ("h1", "h2", "h3"))
+    # Each survivor left the failed worlds through the state machine and kept its state throughout.
+    log = (tmp_path / "elastic" / "logs" / "h0.log").read_text()
+    assert "state ADOPTING -> LEAVING on FAILED" in log
+    assert log.count("-> LEAVING on") == 3 and "state TRAINING -> DONE on FINISHED" in log
+    assert "holding the state of step 20" in log
+
+
+def test_a_death_while_a_checkpoint_is_written_loses_nothing_and_leaves_nothing_half_loadable(tmp_path, reference):
+    summary = elastic_run(tmp_path, CPU4, "--set", "checkpoint.every_steps=20", "--fault", "kill_host:1@save:20")
+    assert_absorbed(summary, reference, lost=["h1"])
+    (event,) = summary["events"]
+    assert event["resume_step"] == 20  # the survivors' own state after step 20: nothing read back from disk
+    # Whatever of step 20's checkpoint the death left is never offered: every listed step verifies.
+    # Step 20's save died with h1 (orbax never commits a step some process did not finish), so the
+    # periodic saves after the fault are the run's checkpoints.
+    listed = reader.list_steps(tmp_path / "checkpoints")
+    assert listed == [40, 60]
+    for step in listed:
+        verify = run_cli("resilient_jax.checkpoint", "verify", str(tmp_path / "checkpoints" / str(step)))
+        assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
 def test_a_hung_host_is_detected_and_removed(tmp_path, reference):
     summary = elastic_run(tmp_path, CPU4, "--fault", "hang_host:2@20")
     assert_absorbed(summary, reference, lost=["h2"])

@@ -10,7 +10,8 @@ from resilient_jax.faults import parse_fault
 
 def test_every_kind_parses_and_prints_back():
     for spec in ["nan_shard:3@20", "kill_host:1@20", "kill_region:eu-west@5", "hang_host:0@7", "join_host@9",
-                 "delay_host:2@15-17:8", "slow_host:1@12:4.5"]:
+                 "delay_host:2@15-17:8", "slow_host:1@12:4.5", "kill_host:1@formation:2", "kill_host:0@adopt:1",
+                 "kill_host:3@save:20"]:
         assert str(parse_fault(spec)) == spec
 
 
@@ -27,7 +28,17 @@ def test_delays_apply_to_their_steps_only():
     ("delay_host:1@15-14:8", "last delayed step 14 is before the first 15"),
     ("slow_host:1@12", r"slow_host:HOST@STEP\[-LAST\]:FACTOR"),
     ("slow_host:1@12:0.5", "FACTOR must be > 1"),
+    ("kill_host:1@compile:2", "unknown moment 'compile' (known: formation, adopt, save"),
+    ("kill_host:1@adopt:0", "generation 0 adopts no state"),
+    ("kill_host:1@save:0", "checkpoints are numbered by completed steps, from 1"),
+    ("kill_host:1@Save:3", "kill_host:HOST@STEP or kill_host:HOST@MOMENT:N"),
 ])
 def test_a_bad_spec_names_what_is_wrong(spec, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         parse_fault(spec)
+
+
+def test_a_moment_is_kept_apart_from_the_step_it_counts():
+    formation = parse_fault("kill_host:2@formation:1")
+    assert (formation.kind, formation.target, formation.moment, formation.step) == ("kill_host", "2", "formation", 1)
+    assert parse_fault("kill_host:2@1").moment == "step"

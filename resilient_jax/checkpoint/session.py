@@ -101,6 +101,9 @@ class CheckpointSession:
         self.preemption = PreemptionWatch(interruptible=interruptible)
         self._last_saved: int | None = None
         self._closed = False
+        # Called with the step once a save has started (written in the background when async): a
+        # hook for fault injection at that moment (resilient_jax.elastic.injection).
+        self.on_save: Callable[[int], None] | None = None
 
     # -- resume ------------------------------------------------------------------------------------
 
@@ -204,6 +207,8 @@ class CheckpointSession:
         context = build_context(self.cfg, self.mesh, position, self.history, generation=self.generation,
                                 regions=self.regions)
         self.store.save(step, state, context)
+        if self.on_save is not None:
+            self.on_save(step)
         if wait:
             self.store.wait()
         self.stats.save_call_seconds.append(time.perf_counter() - t0)

@@ -1,13 +1,14 @@
 """A worker: one host of an elastic run. It trains, and when the world changes it re-forms in-process.
 
-The worker's life is one state machine:
+The worker's life is one state machine, `resilient_jax.elastic.lifecycle` (an enum of states and
+one transition table; every transition is logged with its reason):
 
-    REGISTER -> WAIT_WORLD -> JOIN -> ADOPT_STATE -> TRAIN --(done)--> FINISHED
-                    ^                                  |
-                    |      (collective failed, or      |
-                    +------ the members agreed to grow)-+  REFORM: copy state to host, leave
+    WAITING -> JOINING -> RESTORING | ADOPTING -> COMPILING -> TRAINING -> DONE
+       ^                                                          |
+       +------------- LEAVING <-- a collective failed (at any of these states),
+                                  or the members agreed to change the world
 
-TRAIN runs the two-phase step. A failed collective raises inside `compute`, which never touches
+TRAINING runs the two-phase step. A failed collective raises inside `compute`, which never touches
 the state, so the state of the last completed step is still on this host's devices: it is copied
 to host memory, the JAX world is left (shutdown, clear backends) and the controller is asked for
 the next world. There every member adopts the state of the member that completed the most steps
@@ -48,6 +49,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from resilient_jax.elastic.lifecycle import Event, Lifecycle, State
 
 log = logging.getLogger("resilient_jax.worker")
 
@@ -232,45 +235,6 @@ class ShareKeeper:
         return Reassignment(decision, counts)
 
 
-class HostFaults:
-    """Fires this host's injected faults at their step: kills and hangs from a timer so they land
-    mid-step; delays (a latency spike, a straggler) as a wait before the host enters the step."""
-
-    def __init__(self, faults, host_index: int, region: str, client, host: str):
-        self.pending = [f for f in faults if (f.kind in ("kill_host", "hang_host") and int(f.target) == host_index)
-                        or (f.kind == "kill_region" and f.target == region)]
-        self.delays = [f for f in faults if f.kind in ("delay_host", "slow_host") and int(f.target) == host_index]
-        self.announced: set = set()
-        self.baseline: dict = {}  # slow_host: this host's own step time just before the slowdown
-        self.client, self.host = client, host
-
-    def delay(self, step: int, clock: StallClock, share: float = 1.0) -> None:
-        """Hold this host back before `step` (its heartbeats go on: it is slow, not dead).
-
-        `share`: the shards this host holds in the step / its uniform share. A slow host is slow at
-        its work: its extra time scales with the shards it holds (none: no delay).
-        """
-        for fault in self.delays:
-            if fault.kind == "slow_host" and step >= fault.step and fault not in self.baseline:
-                self.baseline[fault] = float(np.median(clock.recent)) if clock.recent else 0.0
-            seconds = fault.delay_before(step, self.baseline.get(fault, 0.0))
-            if fault.kind == "slow_host":
-                seconds *= share
-            if seconds <= 0:
-                continue
-            if fault not in self.announced:
-                self.announced.add(fault)
-                self.client.call("/fault", retry_seconds=2, host=self.host, kind=fault.kind, step=step)
-            time.sleep(seconds)
-
-    def arm(self, step: int) -> None:
-        for fault in [f for f in self.pending if f.step == step]:
-            self.pending.remove(fault)
-            self.client.call("/fault", retry_seconds=2, host=self.host, kind=fault.kind, step=step)
-            sig = signal.SIGSTOP if fault.kind == "hang_host" else signal.SIGKILL
-            threading.Timer(0.01, os.kill, args=(os.getpid(), sig)).start()
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m resilient_jax.elastic worker")
     parser.add_argument("--controller", required=True)
@@ -356,6 +320,7 @@ class Worker:
     def __init__(self, cfg, host: str, region: str, client, heartbeat: Heartbeat, options: dict | None = None):
         """`options`: this invocation's resume / allow_config_change / stop_at (from the controller)."""
         from resilient_jax import faults as faults_lib
+        from resilient_jax.elastic.injection import HostFaults
 
         self.cfg, self.host, self.region = cfg, host, region
         self.client, self.heartbeat = client, heartbeat
@@ -364,6 +329,7 @@ class Worker:
         from resilient_jax.trainer import RunTotals
 
         self.kept = HostState()
+        self.life = Lifecycle(host)
         self.verified_dataset = None  # the dataset's Manifest once this process has hashed its shards
         self.generation = -1
         self.coordinator_port: int | None = None  # set while this process is in a JAX world
@@ -379,19 +345,24 @@ class Worker:
         self._last_progress: tuple[int, float] | None = None  # (step, perf_counter) of the last progress line
 
     def run(self) -> int:
+        """The state machine's loop (resilient_jax.elastic.lifecycle): wait for a world, live in it
+        until the run is done or the world is left, and ask for the next one."""
+        life = self.life
         while True:
             world = self._wait_world()
             if world is None:
+                life.fire(Event.RUN_OVER, "no world for this host")
                 return 0
-            outcome = self._train_in(world)
-            if outcome == "finished":
+            life.fire(Event.WORLD, f"generation {world['generation']} of {len(world['members'])} hosts")
+            self._train_in(world)
+            if life.state is State.DONE:
                 return 0
-            # Out of the old world (left in _train_in); tell the controller where we stand.
             # -1: this host holds no state in memory (its first world failed while forming), so it
             # must never be the source the next world adopts from.
             held = self.kept.completed_step + 1 if self.kept.state is not None else -1
+            life.fire(Event.LEFT, f"generation {self.generation}, holding the state of step {held}")
             self.client.call("/reform", retry_seconds=60, host=self.host, generation=self.generation,
-                             completed_step=held, data_position=self.kept.data_position, reason=outcome)
+                             completed_step=held, data_position=self.kept.data_position, reason=life.leave_reason)
 
     def abort(self, generation: int) -> None:
         """The controller says a member of `generation` is dead: make our collectives fail now."""
@@ -420,9 +391,10 @@ class Worker:
                 log.error("the run failed: %s", reply["error"])
                 return None
 
-    def _train_in(self, world: dict) -> str:
-        """Train in one world until the run finishes ("finished") or the world must change
-        ("failure" / "change"). Leaves the world before returning."""
+    def _train_in(self, world: dict) -> None:
+        """Join `world` and train in it until the run is done (state DONE) or the world is left
+        (state LEAVING: a member died, or the members agreed to change it). The JAX world is torn
+        down before returning."""
         import jax
 
         from resilient_jax import compile_cache
@@ -437,25 +409,35 @@ class Worker:
         except world_lib.WorldFormationError as e:
             # What this host kept from the last world is unchanged; ask for the next one.
             self.generation = self.heartbeat.generation = world["generation"]
-            log.warning("generation %d did not form: %s", self.generation, e)
+            self.life.fire(Event.JOIN_FAILED, str(e))
             world_lib.leave()
-            return "failure"
+            return
         with self._world_lock:
             self.generation = world["generation"]
             self.coordinator_port = int(world["coordinator"].rsplit(":", 1)[1])
         self.heartbeat.generation = self.generation
         log.info("generation %d: rank %d of %d, resume at step %d", self.generation, rank, len(members),
                  world["resume_step"])
+        self.faults.joined(self.generation, world["resume_step"])
         # An explicit --resume names where the invocation starts; a later world that must restore
         # from disk takes the newest checkpoint, which this run wrote itself.
         resume = self.resume if self.generation == 0 else None
         # The dataset is hashed in full once per worker process; later worlds check its identity.
         regions = {i: world["regions"][h] for i, h in enumerate(members)}
-        trainer = Trainer(self.cfg, devices=jax.devices(), resume=resume, allow_config_change=self.allow_config_change,
-                          verified_dataset=self.verified_dataset, regions=regions)
-        self.verified_dataset = trainer.manifest
-        ckpt = trainer.checkpoints(generation=self.generation, regions=regions)
+        if world["source"] is None:
+            self.life.fire(Event.FROM_DISK, "a checkpoint, or a fresh state")
+        else:
+            self.life.fire(Event.FROM_PEER, f"{world['source']}'s state after step {world['resume_step']}")
+        ckpt = None
         try:
+            # Building the trainer and its checkpoint session runs collectives too (orbax agrees on
+            # the directory): a member dying here fails the world like one dying in the adoption.
+            trainer = Trainer(self.cfg, devices=jax.devices(), resume=resume,
+                              allow_config_change=self.allow_config_change,
+                              verified_dataset=self.verified_dataset, regions=regions)
+            self.verified_dataset = trainer.manifest
+            ckpt = trainer.checkpoints(generation=self.generation, regions=regions)
+            ckpt.on_save = self.faults.saving
             if world["source"] is None:
                 # A new run, or one resuming from the persistent checkpoint in run.dir.
                 resumed = trainer.restore(ckpt)
@@ -468,11 +450,13 @@ class Worker:
                 # from host memory, newcomers from that peer (not from disk).
                 template = self.kept.state if self.kept.state is not None else trainer.host_state_template()
                 source_rank = members.index(world["source"])
+                self.faults.adopting(self.generation, world["resume_step"])
                 state = trainer.state_from_host(transfer.broadcast(template, is_source=rank == source_rank))
                 log.info("adopted state from %s after step %d (%s)", world["source"], world["resume_step"],
                          "own copy" if world["source"] == self.host else "from a peer, over the collective, not from disk")
                 start = world["resume_step"]
                 position = _position_from_dict(world["data_position"])
+            self.life.fire(Event.STATE_READY, f"step {start}")
             compiled = compile_cache.timed_compile(lambda: trainer.precompile(state))
             self.totals.compile_seconds += compiled.seconds
             log.info("generation %d: compiled the step in %.2f s (%s); gradient sum %s", self.generation,
@@ -481,15 +465,17 @@ class Worker:
         except jax.errors.JaxRuntimeError as e:
             # A member died while this world was forming (the adoption broadcast or the barrier
             # failed): what this host kept from the last world is unchanged; ask for the next one.
-            log.warning("forming generation %d failed: %s", self.generation, str(e).splitlines()[0][:200])
+            self.life.fire(Event.FAILED, f"forming generation {self.generation}: {str(e).splitlines()[0][:200]}")
             self._leave(ckpt)
-            return "failure"
+            return
+        self.life.fire(Event.COMPILED, f"{compiled.seconds:.2f} s, {compiled.describe()}")
         metrics = self._metrics(trainer, start)
         metrics.event({"event": "compile", "step": start, "generation": self.generation, **compiled.to_event(),
                        "reduction_order": trainer.reduction_order()})
         loop = StepLoop(trainer, metrics, self.totals, ckpt, start_step=start, position=position)
         try:
-            return self._steps(trainer, loop, ckpt, state, start)
+            event, reason = self._steps(trainer, loop, ckpt, state, start)
+            self.life.fire(event, reason)
         finally:
             loop.close()
             self._leave(ckpt)
@@ -511,10 +497,11 @@ class Worker:
 
         with self._world_lock:  # no abort may land on the next world's connections
             self.coordinator_port = None
-        world_lib.leave(before_reset=ckpt.close)
+        world_lib.leave(before_reset=None if ckpt is None else ckpt.close)
 
-    def _steps(self, trainer, loop, ckpt, state, step: int) -> str:
-        """`step`: steps completed so far (the loop index of the next step)."""
+    def _steps(self, trainer, loop, ckpt, state, step: int) -> tuple[Event, str]:
+        """Run steps until the run ends or this world must be left; the event that ends the
+        TRAINING state, and why. `step`: steps completed so far (the loop index of the next step)."""
         import jax
         from jax.experimental import multihost_utils
 
@@ -535,8 +522,7 @@ class Worker:
                 if self.stop_at is not None and step >= self.stop_at:  # the same step on every member
                     return self._finish(trainer, loop, ckpt, state, step, stopped="stop_at")
                 ready_from = time.perf_counter()
-                self.faults.delay(step, clock, shares.share())
-                self.faults.arm(step)
+                self.faults.before_step(step, clock, shares.share())
                 waited = loop.loader.wait_seconds
                 t0 = clock.started_at = time.perf_counter()
                 state = loop.step(state, step)
@@ -574,15 +560,13 @@ class Worker:
                 if agreed[0] > self.generation and step < total:
                     loop.flush_log()  # the steps since the last line, before this world's loop closes
                     self._keep(transfer.to_host(state), loop)
-                    return "change"
+                    return Event.WORLD_CHANGE, f"the members agreed after step {step}"
             return self._finish(trainer, loop, ckpt, state, step, stopped=None)
         except jax.errors.JaxRuntimeError as e:
             clock.started_at = None
-            log.warning("step %d failed in generation %d: %s", step + 1, self.generation,
-                        str(e).splitlines()[0][:200])
             # compute() never donates: `state` is still the state after step `step`, on our devices.
             self._keep(transfer.to_host(state), loop)
-            return "failure"
+            return Event.STEP_FAILED, f"step {step + 1} in generation {self.generation}: {str(e).splitlines()[0][:200]}"
 
     def _reassigned(self, decision, loop, step: int, *, started: float) -> None:
         """Take the new assignment from the next step on (every member does, at the same step).
@@ -600,7 +584,7 @@ class Worker:
             loop.log.event({**event, "generation": self.generation})
             self.heartbeat.report_reassignment(event)  # with the next heartbeat: the step never waits
 
-    def _finish(self, trainer, loop, ckpt, state, step: int, *, stopped: str | None) -> str:
+    def _finish(self, trainer, loop, ckpt, state, step: int, *, stopped: str | None) -> tuple[Event, str]:
         """The last checkpoint (committed before returning), then the summary from rank 0."""
         import jax
 
@@ -613,7 +597,7 @@ class Worker:
         if jax.process_index() == 0:
             self.client.call("/done", retry_seconds=30, host=self.host, summary=summary,
                              reassignments=self.heartbeat.take_reassignments())
-        return "finished"
+        return (Event.STOPPED, f"{stopped} at step {step}") if stopped else (Event.FINISHED, f"step {step}")
 
     def _report_progress(self, step: int, seconds: float, loop) -> None:
         """Every train.log_every steps (and the first and last): loss and tokens/s over the window,

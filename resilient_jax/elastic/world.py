@@ -34,6 +34,10 @@ def configure_process(cfg, devices: int) -> None:
     # Without recoverability a peer's death aborts this process from C++ (LOG(FATAL)); with it,
     # the failed collective raises a catchable JaxRuntimeError.
     jax.config.update("jax_enable_recoverability", True)
+    # How long a forming world waits for a member's device topology before the join fails (the
+    # unit is minutes; 1 is the least): the worst case of a death between connecting and publishing.
+    jax.config.update("jax_cpu_get_local_topology_timeout_minutes", 1)
+    jax.config.update("jax_cpu_get_global_topology_timeout_minutes", 1)
     if devices > 0 and platform == "cpu":
         jax.config.update("jax_num_cpu_devices", devices)
 
@@ -78,6 +82,18 @@ def join(coordinator: str, num_processes: int, rank: int, *, init_timeout: int =
         state.client, state.coordinator_address, state.process_id, state.num_processes = None, None, 0, 1
         raise WorldFormationError(f"joining the world at {coordinator} as rank {rank} of {num_processes} failed "
                                   f"(a member never arrived): {str(e).splitlines()[0][:200]}") from None
+    # The backend belongs to the world: creating it publishes this member's device topology and
+    # waits for every other member's, through the coordination service. A member that dies between
+    # connecting and publishing would make the others wait out the topology timeout and then raise
+    # from whatever JAX call came first (found by kill_host:H@formation:G); here it fails the join.
+    try:
+        import jax
+
+        jax.devices()
+    except RuntimeError as e:
+        raise WorldFormationError(f"generation at {coordinator}: rank {rank} of {num_processes} could not build "
+                                  f"the backend (a member died while the world formed): "
+                                  f"{str(e).splitlines()[0][:200]}") from None
     # As jax.distributed.initialize does: checkpoint preemption handling syncs through it.
     state.initialize_preemption_sync_manager()
 

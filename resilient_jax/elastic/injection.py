@@ -1,0 +1,80 @@
+"""Injected host faults (resilient_jax.faults), fired by the worker process on itself.
+
+Test and drill machinery, kept apart from the worker's logic: the worker calls one hook at each
+point where a fault may land -- before a step (`before_step`), once it has joined a world
+(`joined`), as a world moves state to its members (`adopting`), and after a checkpoint save has
+started (`saving`) -- and this class decides whether a fault of this host fires there. A fault is
+announced to the controller first (its timings count from that moment), then fired: kills and
+hangs inside a step from a timer so that they land in the step's collectives; kills at a moment
+at once, so that the peers meet the death exactly there; delays as a wait before the step.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+
+
+class HostFaults:
+    def __init__(self, faults, host_index: int, region: str, client, host: str):
+        mine = [f for f in faults if (f.kind in ("kill_host", "hang_host") and int(f.target) == host_index)
+                or (f.kind == "kill_region" and f.target == region)]
+        self.pending = [f for f in mine if f.moment == "step"]
+        self.at_moment = [f for f in mine if f.moment != "step"]
+        self.delays = [f for f in faults if f.kind in ("delay_host", "slow_host") and int(f.target) == host_index]
+        self.announced: set = set()
+        self.baseline: dict = {}  # slow_host: this host's own step time just before the slowdown
+        self.client, self.host = client, host
+
+    def before_step(self, step: int, clock, share: float = 1.0) -> None:
+        """Delays of `step`, then its kills and hangs, armed to land inside the step."""
+        self.delay(step, clock, share)
+        self.arm(step)
+
+    def delay(self, step: int, clock, share: float = 1.0) -> None:
+        """Hold this host back before `step` (its heartbeats go on: it is slow, not dead).
+
+        `share`: the shards this host holds in the step / its uniform share. A slow host is slow at
+        its work: its extra time scales with the shards it holds (none: no delay).
+        """
+        for fault in self.delays:
+            if fault.kind == "slow_host" and step >= fault.step and fault not in self.baseline:
+                self.baseline[fault] = float(np.median(clock.recent)) if clock.recent else 0.0
+            seconds = fault.delay_before(step, self.baseline.get(fault, 0.0))
+            if fault.kind == "slow_host":
+                seconds *= share
+            if seconds <= 0:
+                continue
+            if fault not in self.announced:
+                self.announced.add(fault)
+                self.client.call("/fault", retry_seconds=2, host=self.host, kind=fault.kind, step=step)
+            time.sleep(seconds)
+
+    def arm(self, step: int) -> None:
+        for fault in [f for f in self.pending if f.step == step]:
+            self.pending.remove(fault)
+            self.client.call("/fault", retry_seconds=2, host=self.host, kind=fault.kind, step=step)
+            sig = signal.SIGSTOP if fault.kind == "hang_host" else signal.SIGKILL
+            threading.Timer(0.01, os.kill, args=(os.getpid(), sig)).start()
+
+    def joined(self, generation: int, step: int) -> None:
+        """This host has joined world `generation`, which has not run a step yet (`step`: steps completed)."""
+        self._at("formation", generation, step)
+
+    def adopting(self, generation: int, step: int) -> None:
+        """World `generation` is about to move the state of `step` completed steps to its members."""
+        self._at("adopt", generation, step)
+
+    def saving(self, step: int) -> None:
+        """The checkpoint of `step` completed steps is being written (the save has started)."""
+        self._at("save", step, step)
+
+    def _at(self, moment: str, number: int, step: int) -> None:
+        for fault in [f for f in self.at_moment if f.moment == moment and f.step == number]:
+            self.at_moment.remove(fault)
+            self.client.call("/fault", retry_seconds=2, host=self.host, kind=fault.kind, step=step)
+            os.kill(os.getpid(), signal.SIGKILL)

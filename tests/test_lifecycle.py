@@ -1,0 +1,95 @@
+"""The worker's state machine (resilient_jax.elastic.lifecycle): the table, tested without threads,
+processes or JAX -- every edge, the paths a run takes, and refusals of edges the table lacks."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import pytest
+
+from resilient_jax.elastic.lifecycle import TRANSITIONS, Event, Lifecycle, State, next_state
+
+S, E = State, Event
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def walk(events, clock=None, advance=1.0) -> Lifecycle:
+    clock = clock or FakeClock()
+    life = Lifecycle("h0", clock)
+    for event in events:
+        clock.now += advance
+        life.fire(event, "test")
+    return life
+
+
+def test_every_state_is_reachable_from_waiting_and_done_is_final():
+    reached, frontier = {S.WAITING}, [S.WAITING]
+    while frontier:
+        state = frontier.pop()
+        for (src, _), dst in TRANSITIONS.items():
+            if src is state and dst not in reached:
+                reached.add(dst)
+                frontier.append(dst)
+    assert reached == set(State)
+    assert not [edge for edge in TRANSITIONS if edge[0] is S.DONE]
+
+
+def test_every_state_but_done_and_waiting_can_be_left_for_the_next_world():
+    # A death at any moment of a world's life (forming, moving state, compiling, training) must lead
+    # back to WAITING with the state kept, never to a crash or a restart.
+    for state in (S.JOINING, S.RESTORING, S.ADOPTING, S.COMPILING, S.TRAINING):
+        targets = {dst for (src, _), dst in TRANSITIONS.items() if src is state}
+        assert S.LEAVING in targets, state
+    assert next_state(S.LEAVING, E.LEFT) is S.WAITING
+
+
+def test_edges_the_table_lacks_are_refused_naming_state_and_event():
+    missing = [(s, e) for s, e in itertools.product(State, Event) if (s, e) not in TRANSITIONS]
+    assert missing  # the table is not total: e.g. TRAINING cannot be entered from WAITING directly
+    for state, event in missing:
+        with pytest.raises(ValueError, match=f"from {state.name} on {event.name}"):
+            next_state(state, event)
+
+
+def test_a_survivor_of_a_death_while_adopting_goes_round_and_trains_in_the_next_world():
+    life = walk([E.WORLD, E.FROM_DISK, E.STATE_READY, E.COMPILED,  # generation 0
+                 E.STEP_FAILED, E.LEFT,  # a peer died in a step
+                 E.WORLD, E.FROM_PEER, E.FAILED, E.LEFT,  # another died while generation 1 moved state
+                 E.WORLD, E.FROM_PEER, E.STATE_READY, E.COMPILED, E.FINISHED])
+    assert life.state is S.DONE
+    assert [h[2] for h in life.history].count(S.LEAVING) == 2
+    assert life.seconds[S.TRAINING] == 2.0 and life.seconds[S.ADOPTING] == 2.0 and life.seconds[S.LEAVING] == 2.0
+
+
+def test_leave_reason_is_failure_for_deaths_and_change_for_an_agreed_change():
+    life = walk([E.WORLD, E.FROM_DISK, E.STATE_READY, E.COMPILED, E.WORLD_CHANGE])
+    assert life.leave_reason == "change"
+    life.fire(E.LEFT)
+    for ending in ([E.WORLD, E.JOIN_FAILED], [E.WORLD, E.FROM_DISK, E.FAILED],
+                   [E.WORLD, E.FROM_PEER, E.STATE_READY, E.COMPILED, E.STEP_FAILED]):
+        for event in ending:
+            life.fire(event)
+        assert life.state is S.LEAVING and life.leave_reason == "failure"
+        life.fire(E.LEFT)
+
+
+def test_an_illegal_event_leaves_the_state_unchanged(caplog):
+    life = walk([E.WORLD])
+    with pytest.raises(ValueError):
+        life.fire(E.COMPILED)
+    assert life.state is S.JOINING
+
+
+def test_every_transition_is_logged_with_its_reason(caplog):
+    with caplog.at_level(logging.INFO, logger="resilient_jax.worker"):
+        life = Lifecycle("h3", FakeClock())
+        life.fire(E.WORLD, "generation 2 of 3 hosts")
+    assert "state WAITING -> JOINING on WORLD after 0.00 s: generation 2 of 3 hosts" in caplog.text
