@@ -88,8 +88,14 @@ def join(coordinator: str, num_processes: int, rank: int, *, init_timeout: int =
     # from whatever JAX call came first (found by kill_host:H@formation:G); here it fails the join.
     try:
         import jax
+        from jax.experimental import multihost_utils
 
         jax.devices()
+        # Connect the world's cross-process collectives now, while it forms. Gloo connects peers
+        # lazily, through the coordination service's key-value store: a member that died before
+        # connecting leaves the others waiting out gloo's rendezvous (30 s, not configurable);
+        # once connected, its death is a closed connection that every peer sees at once.
+        multihost_utils.sync_global_devices("resilient_jax.world.join")
     except RuntimeError as e:
         raise WorldFormationError(f"generation at {coordinator}: rank {rank} of {num_processes} could not build "
                                   f"the backend (a member died while the world formed): "
