@@ -79,6 +79,11 @@ def test_deaths_while_a_world_moves_state_and_while_one_forms_are_absorbed(tmp_p
     assert "state ADOPTING -> LEAVING on FAILED" in log
     assert log.count("-> LEAVING on") == 3 and "state TRAINING -> DONE on FINISHED" in log
     assert "holding the state of step 20" in log
+    # The final rank 0's seconds per state: where its time went, recoveries included.
+    seconds = summary["state_seconds"]
+    assert seconds["adopting"] > 0 and seconds["leaving"] > 0 and seconds["compiling"] > 0
+    assert seconds["training"] > 0 and set(seconds) <= {"waiting", "joining", "restoring", "adopting", "compiling",
+                                                       "training", "leaving", "done"}
 
 
 def test_a_death_while_a_checkpoint_is_written_loses_nothing_and_leaves_nothing_half_loadable(tmp_path, reference):

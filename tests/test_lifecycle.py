@@ -67,6 +67,8 @@ def test_a_survivor_of_a_death_while_adopting_goes_round_and_trains_in_the_next_
     assert life.state is S.DONE
     assert [h[2] for h in life.history].count(S.LEAVING) == 2
     assert life.seconds[S.TRAINING] == 2.0 and life.seconds[S.ADOPTING] == 2.0 and life.seconds[S.LEAVING] == 2.0
+    totals = life.totals()
+    assert totals["training"] == 2.0 and totals["done"] == 0.0 and "restoring" in totals
 
 
 def test_leave_reason_is_failure_for_deaths_and_change_for_an_agreed_change():
@@ -81,7 +83,7 @@ def test_leave_reason_is_failure_for_deaths_and_change_for_an_agreed_change():
         life.fire(E.LEFT)
 
 
-def test_an_illegal_event_leaves_the_state_unchanged(caplog):
+def test_an_illegal_event_leaves_the_state_unchanged():
     life = walk([E.WORLD])
     with pytest.raises(ValueError):
         life.fire(E.COMPILED)

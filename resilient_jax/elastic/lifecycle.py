@@ -109,6 +109,12 @@ class Lifecycle:
         self.state, self.entered = new, now
         return new
 
+    def totals(self) -> dict[str, float]:
+        """Seconds spent in each state so far, the current one included, by state name."""
+        seconds = dict(self.seconds)
+        seconds[self.state] = seconds.get(self.state, 0.0) + self.clock() - self.entered
+        return {state.value: round(seconds[state], 3) for state in State if state in seconds}
+
     @property
     def leave_reason(self) -> str:
         """The /reform reason of the world just left ("failure" or "change")."""

@@ -591,7 +591,7 @@ class Worker:
         loop.flush_log()
         ckpt.finish(step, state, loop.data_position())
         summary = trainer.summarize(state, self.totals, time.perf_counter() - self.started, loop.data_position())
-        summary.update(final_step=step, stopped=stopped)
+        summary.update(final_step=step, stopped=stopped, state_seconds=self.life.totals())
         if stopped:
             log.info("stopped (%s) at step %d with a checkpoint", stopped, step)
         if jax.process_index() == 0:
