@@ -283,7 +283,18 @@ class Trainer:
         return jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), abstract)
 
     def state_from_host(self, host_state) -> state_lib.TrainState:
-        """Place a full host copy of the state onto this world's mesh with the state's shardings."""
+        """Place a full host copy of the state onto this world's mesh with the state's shardings.
+
+        Every leaf must have the shape and dtype of this trainer's state: a leaf that changed shape on
+        its way through host memory still holds the right values, but it compiles another program,
+        and that program's bits need not be the fault-free run's.
+        """
+        def check(path, got, want):
+            if (np.shape(got), np.result_type(got)) != (tuple(want.shape), np.dtype(want.dtype)):
+                raise ValueError(f"state leaf {jax.tree_util.keystr(path)} is {np.result_type(got)}"
+                                 f"{list(np.shape(got))}; this model's state has {np.dtype(want.dtype)}{list(want.shape)}")
+
+        jax.tree_util.tree_map_with_path(check, host_state, state_lib.abstract_state(self.model_def, self.tx, self.mesh))
         return jax.tree.map(
             lambda x, sharding: jax.make_array_from_callback(x.shape, sharding, lambda index: x[index]),
             host_state, self.shardings,

@@ -1,11 +1,15 @@
 """State adoption (elastic/transfer.broadcast) between two real processes: the receiver gets the
-source's bytes exactly -- -0.0, float16, bool, uint64 included -- through one packed buffer."""
+source's bytes exactly -- -0.0, float16, bool, uint64 included -- through one packed buffer, and every
+leaf keeps its shape: a 0-d leaf (an optimizer's step count) that came back as shape (1,) once made the
+next world compile another update program and leave the fault-free trajectory."""
 
 from __future__ import annotations
 
 import re
 import subprocess
 import sys
+
+import pytest
 
 from conftest import REPO, free_port
 
@@ -22,7 +26,8 @@ world.join(addr, 2, rank)
 rng = np.random.default_rng(rank)
 tree = {"w": rng.standard_normal((3, 5)).astype(np.float32), "neg0": np.array([-0.0, 0.0], np.float32),
         "i": np.arange(7, dtype=np.int32) * (rank + 1), "b": np.array([True, False, rank == 0]),
-        "k": np.array([2**63 + 5, 1], np.uint64), "h": np.ones((2, 2), np.float16) * (rank + 2)}
+        "k": np.array([2**63 + 5, 1], np.uint64), "h": np.ones((2, 2), np.float16) * (rank + 2),
+        "count": np.array(rank + 3, np.int32), "t": rng.standard_normal((4, 3)).astype(np.float32).T}
 if rank == 0:
     tree["neg0"] = np.array([-0.0, 1.5], np.float32)
 got = transfer.broadcast(tree, is_source=rank == 0)
@@ -51,3 +56,26 @@ def test_broadcast_gives_every_process_the_sources_bytes(tmp_path):
     (other_got, other_own), = re.findall(r"^rank 1 got (\w+) own (\w+)$", outs[1], re.M)
     assert source_got == source_own == other_got  # everyone ends with the source's tree, bit for bit
     assert other_own != source_own  # the receiver's own tree differed, so this proves a transfer
+
+
+def test_a_state_leaf_of_another_shape_is_refused_naming_the_leaf(tmp_path):
+    # The second line of defence: a world only places a host state whose every leaf has the shape
+    # and dtype of its own state, so a transport that reshapes a leaf fails loudly, not in the bits.
+    import jax
+    import numpy as np
+
+    from resilient_jax.trainer import Trainer
+
+    from conftest import tiny_config
+
+    trainer = Trainer(tiny_config(tmp_path, "checkpoint.enabled=false"), devices=jax.devices()[:2])
+    template = trainer.host_state_template()
+    placed = trainer.state_from_host(template)
+    assert jax.tree.map(np.shape, placed) == jax.tree.map(np.shape, template)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(template)
+    index = next(i for i, (_, leaf) in enumerate(leaves) if np.ndim(leaf) == 0)  # a step count
+    path = leaves[index][0]
+    arrays = [leaf for _, leaf in leaves]
+    arrays[index] = arrays[index].reshape(1)
+    with pytest.raises(ValueError, match=re.escape(f"state leaf {jax.tree_util.keystr(path)} is int32[1]")):
+        trainer.state_from_host(jax.tree.unflatten(treedef, arrays))

@@ -40,11 +40,15 @@ def broadcast(host_tree, *, is_source: bool):
     from jax.experimental import multihost_utils
 
     leaves, treedef = jax.tree.flatten(host_tree)
-    arrays = [np.ascontiguousarray(np.asarray(x)) for x in leaves]
+    # np.asarray, not np.ascontiguousarray: the latter returns at least 1-D, so a 0-d leaf (the
+    # optimizer's step count) came back with shape (1,) -- every value intact, yet the next world
+    # compiled a different update program whose float bits differed from the fault-free run's.
+    arrays = [np.asarray(x) for x in leaves]
     # ONE buffer of bytes, not a list of leaves: a list compiles to one multi-operand collective,
     # which XLA:CPU runs as consecutive gloo operations that go on after one fails -- a member dying
     # mid-adoption then lets survivors drift into different operands, and gloo kills them
     # (resilient_jax/collectives.py says more). Costs one extra host copy of the state.
+    # reshape(-1) copies a non-contiguous leaf into a contiguous run of bytes; .view needs that.
     packed = np.concatenate([a.reshape(-1).view(np.uint8) for a in arrays]) if arrays else np.zeros(0, np.uint8)
     received = np.asarray(multihost_utils.broadcast_one_to_all(packed, is_source=is_source))
     out, offset = [], 0
