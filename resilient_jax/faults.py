@@ -5,9 +5,10 @@ Spec grammar (one string per fault):
     kill_host:H@STEP          SIGKILL host H (index in topology order) during step STEP
     kill_host:H@formation:G   SIGKILL host H while generation G forms: after the world is announced and
                               H has joined it, before its first step (a death during a recovery when G > 0)
-    kill_host:H@adopt:G       SIGKILL host H as generation G moves state to its members (G >= 1: the first
+    kill_host:H@adopt:G       SIGKILL host H as generation G adopts the state (G >= 1: the first
                               world restores from disk or starts fresh; a world that restores from disk
-                              adopts nothing, so the fault does not fire there)
+                              adopts nothing, so the fault does not fire there). With a newcomer the
+                              state is being broadcast; with survivors only, each is placing its own copy
     kill_host:H@save:STEP     SIGKILL host H while the checkpoint of STEP (completed steps) is being written
     kill_region:R@STEP        SIGKILL every host of region R at once during step STEP
     hang_host:H@STEP          SIGSTOP host H during step STEP (it stops answering, it does not exit)

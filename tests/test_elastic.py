@@ -67,6 +67,9 @@ def test_deaths_while_a_world_moves_state_and_while_one_forms_are_absorbed(tmp_p
     assert "state ADOPTING -> LEAVING on FAILED" in log
     assert log.count("-> LEAVING on") == 3 and "state TRAINING -> DONE on FINISHED" in log
     assert "holding the state of step 20" in log
+    # Survivors only in generations 1-3: each placed its own copy of the state, none was sent.
+    assert log.count("its own copy, which every member holds (nothing sent)") == 1  # generation 3's (1 and 2 failed first)
+    assert "from a peer" not in log
     # The final rank 0's seconds per state: where its time went, recoveries included.
     seconds = summary["state_seconds"]
     assert seconds["adopting"] > 0 and seconds["leaving"] > 0 and seconds["compiling"] > 0
@@ -82,6 +85,9 @@ def test_a_death_while_a_checkpoint_is_written_is_absorbed_and_later_checkpoints
     (event,) = summary["events"]
     assert event["resume_step"] == 20  # the survivors' own state after step 20: nothing read back from disk
     assert event["detection_seconds"] is not None and summary["worker_exit_codes"]["h1"] == -9
+    # Survivors only: each placed its own copy of the state; none was sent across the world.
+    log = (tmp_path / "elastic" / "logs" / "h2.log").read_text()
+    assert "adopted state after step 20: its own copy, which every member holds (nothing sent)" in log
     # Checkpoints written after the fault (step 40, 60) carry the new world's topology.
     context = reader.read_context(tmp_path / "checkpoints" / "60")
     assert context["topology"]["generation"] == 1 and context["topology"]["process_count"] == 3
@@ -117,15 +123,23 @@ def test_a_straggler_is_replaced_by_a_spare_that_gets_its_state_from_a_peer(tmp_
     assert "from a peer" in log
 
 
-def test_a_new_host_joins_and_gets_its_state_from_a_peer(tmp_path, reference):
+def test_a_new_host_joins_and_gets_its_state_from_a_peer_even_when_a_member_dies_during_the_broadcast(
+        tmp_path, reference):
+    # h3 joins at a step boundary after step 20: generation 1 broadcasts h0's state to it, and h1
+    # dies right then.
+    # Generation 2 (h0, h2, h3) broadcasts again: h3 still holds no state.
     three = "topology.regions=[{name: us, hosts: 2}, {name: eu, hosts: 1}]"
-    summary = elastic_run(tmp_path, CPU4, "--set", three, "--fault", "join_host@20")
+    summary = elastic_run(tmp_path, CPU4, "--set", three, "--fault", "join_host@20", "--fault", "kill_host:1@adopt:1")
     assert summary["final_step"] == STEPS and summary["restarts"] == 0 and summary["steps_lost"] == 0
     assert summary["params_fingerprint"] == reference
-    (event,) = summary["events"]
-    assert event["reason"] == "join" and event["joined"] == ["h3"]
+    join, failure = summary["events"]
+    assert join["reason"] == "join" and join["joined"] == ["h3"]
+    assert failure["reason"] == "failure" and failure["lost"] == ["h1"]
+    assert failure["resume_step"] == join["resume_step"]  # generation 1 never got to run a step
+    assert summary["worker_exit_codes"]["h1"] == -9
+    assert "state ADOPTING -> LEAVING on FAILED" in (tmp_path / "elastic" / "logs" / "h0.log").read_text()
     log = (tmp_path / "elastic" / "logs" / "h3.log").read_text()
-    assert "adopted state from" in log and "from a peer" in log
+    assert f"adopted state from h0 after step {join['resume_step']} (from a peer" in log
 
 
 def test_status_command_shows_members_and_generation(tmp_path):

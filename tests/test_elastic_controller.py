@@ -88,9 +88,26 @@ def test_a_silent_host_is_declared_dead_and_survivors_get_the_next_world(control
     world = reply["world"]
     assert world["generation"] == 1 and world["members"] == ["h0"]
     assert world["resume_step"] == 7 and world["source"] == "h0"
+    assert world["holders"] == ["h0"]  # every member holds the state: the world sends none
     assert controller.members["h1"].status == "dead"
     (event,) = controller.elastic_report()["events"]
     assert event["lost"] == ["h1"] and event["steps_lost"] == 0
+
+
+def test_a_member_a_step_behind_is_not_a_holder_so_the_world_broadcasts(controller):
+    client = ControllerClient(controller.url, "s3cret")
+    for host in ("h0", "h1"):
+        client.call("/register", host=host, region="us", devices=2, config_hash="a" * 64)
+    # Both alive; a collective failed after h1 completed step 7 but before h0 did.
+    replies = {}
+    threads = [threading.Thread(target=lambda h=h, done=done: replies.__setitem__(h, client.call(
+        "/reform", host=h, generation=0, completed_step=done, data_position={"step": done}, reason="failure")))
+        for h, done in (("h0", 6), ("h1", 7))]
+    [t.start() for t in threads]
+    [t.join(30) for t in threads]
+    world = replies["h0"]["world"]
+    assert world["members"] == ["h0", "h1"] and world["resume_step"] == 7 and world["source"] == "h1"
+    assert world["holders"] == ["h1"]  # h0 holds step 6's state: it must receive h1's
 
 
 def test_a_world_that_failed_while_forming_restores_from_disk_not_from_a_member_without_state(controller):
@@ -103,6 +120,7 @@ def test_a_world_that_failed_while_forming_restores_from_disk_not_from_a_member_
     world = reply["world"]
     assert world["generation"] == 1 and world["members"] == ["h0"]
     assert world["source"] is None and world["resume_step"] == 0  # the newest checkpoint, not zeros
+    assert world["holders"] == []
     assert controller.restarts == 0  # no step ran since the checkpoint: nothing was lost
 
 
@@ -168,6 +186,7 @@ def test_a_straggler_is_replaced_by_a_spare_at_a_step_boundary(tmp_path):
         [t.join(30) for t in threads]
         world = replies["h0"]["world"]
         assert world["members"] == ["h0", "h2", "h3"] and world["resume_step"] == 8 and world["source"] == "h0"
+        assert world["holders"] == ["h0", "h2"]  # not the spare, not the evicted straggler: h3 needs a broadcast
         assert replies["h1"] == {"evicted": True}
         (event,) = ctl.elastic_report()["events"]
         assert event["reason"] == "reslot" and event["reslotted"] == ["h1"] and event["joined"] == ["h3"]

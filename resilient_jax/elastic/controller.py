@@ -76,11 +76,14 @@ class World:
     devices_per_host: dict[str, int]
     resume_step: int
     source: str | None  # the member whose state every member adopts; None = fresh start
+    # Members that already hold that state in their own memory. When every member does (survivors
+    # only, no newcomer), the world adopts without sending any state: the worker reads `holders`.
+    holders: tuple[str, ...]
     data_position: dict | None
     reason: str
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "members": list(self.members)}
+        return {**asdict(self), "members": list(self.members), "holders": list(self.holders)}
 
 
 @dataclass
@@ -646,12 +649,14 @@ class Controller:
         for host in promoted:
             self.members[host].status = "registered"
         self._form(reason=reason, resume_step=max(best, 0), source=source,
+                   holders=() if source is None else tuple(h for h in live if completed[h] == best),
                    data_position=None if source is None else self.reform_requests[source]["data_position"],
                    lost=lost, reslotted=evicted,
                    decision=change.record if change is not None else None)
 
     def _form(self, *, reason: str, resume_step: int, source: str | None, data_position: dict | None,
-              lost: list[str], reslotted: list[str] | None = None, decision: dict | None = None) -> None:
+              lost: list[str], holders: tuple[str, ...] = (), reslotted: list[str] | None = None,
+              decision: dict | None = None) -> None:
         generation = 0 if self.world is None else self.world.generation + 1
         # A world that restores from disk is a restart -- unless no world of this invocation has run
         # a step yet (generation 0 failed while forming): then the checkpoint is where it started anyway.
@@ -671,7 +676,8 @@ class Controller:
             generation=generation, coordinator=address, members=members,
             regions={h: self.members[h].region for h in members},
             devices_per_host={h: self.members[h].devices for h in members},
-            resume_step=resume_step, source=source, data_position=data_position, reason=reason,
+            resume_step=resume_step, source=source, holders=tuple(h for h in members if h in holders),
+            data_position=data_position, reason=reason,
         )
         now = time.monotonic()
         detected = self._detected_at or now
@@ -727,6 +733,8 @@ def _formed_sentence(world: World, lost: list[str], joined: list[str], reslotted
            "collective-timeout": " after a collective timed out"}.get(world.reason, f" ({world.reason})")
     if world.source is not None:
         start = f"; resumes from step {world.resume_step} with {world.source}'s state in memory"
+        if set(world.members) <= set(world.holders):
+            start += " (every member holds it: nothing is sent)"
     else:  # the first world, or every member lost its state: from the newest checkpoint, if any
         start = "" if world.generation == 0 else "; no member holds a state: starts from the newest checkpoint, if any"
     return f"generation {world.generation} formed{why}: {len(world.members)} hosts ({', '.join(world.members)}){start}"

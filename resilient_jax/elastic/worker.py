@@ -11,8 +11,11 @@ one transition table; every transition is logged with its reason):
 TRAINING runs the two-phase step. A failed collective raises inside `compute`, which never touches
 the state, so the state of the last completed step is still on this host's devices: it is copied
 to host memory, the JAX world is left (shutdown, clear backends) and the controller is asked for
-the next world. There every member adopts the state of the member that completed the most steps
-(a bit-exact broadcast), and training resumes at the next step: zero steps lost.
+the next world. There every member adopts the state of the member that completed the most steps,
+and training resumes at the next step: zero steps lost. When every member of the new world holds
+that state already (survivors only), each places its own copy and nothing is sent; when one does
+not (a newcomer, a spare, a survivor a step behind), the source's copy reaches all in one bit-exact
+broadcast.
 
 Growth and reslots are agreed inside the world: after every step each member contributes the
 controller's latest reform signal to a tiny all-gather; when the maximum is set, every member
@@ -398,7 +401,6 @@ class Worker:
         import jax
 
         from resilient_jax import compile_cache
-        from resilient_jax.elastic import transfer
         from resilient_jax.elastic import world as world_lib
         from resilient_jax.trainer import StepLoop, Trainer
 
@@ -446,14 +448,9 @@ class Worker:
                 if resumed and rank == 0:
                     self._announce_resume(trainer, resumed)
             else:
-                # Everyone adopts the state of the member that completed the most steps: survivors
-                # from host memory, newcomers from that peer (not from disk).
-                template = self.kept.state if self.kept.state is not None else trainer.host_state_template()
-                source_rank = members.index(world["source"])
+                # Everyone adopts the state of the member that completed the most steps (not from disk).
                 self.faults.adopting(self.generation, world["resume_step"])
-                state = trainer.state_from_host(transfer.broadcast(template, is_source=rank == source_rank))
-                log.info("adopted state from %s after step %d (%s)", world["source"], world["resume_step"],
-                         "own copy" if world["source"] == self.host else "from a peer, over the collective, not from disk")
+                state = self._adopt(trainer, world, rank)
                 start = world["resume_step"]
                 position = _position_from_dict(world["data_position"])
             self.life.fire(Event.STATE_READY, f"step {start}")
@@ -479,6 +476,34 @@ class Worker:
         finally:
             loop.close()
             self._leave(ckpt)
+
+    def _adopt(self, trainer, world: dict, rank: int):
+        """The state after world["resume_step"], on this world's devices."""
+        from jax.experimental import multihost_utils
+
+        from resilient_jax.elastic import transfer
+
+        if set(world["members"]) <= set(world["holders"]):
+            # Every member holds it in its own memory (survivors only, no newcomer). Replicas are
+            # bit-identical -- the same program ran on the same inputs on every host (DESIGN
+            # invariant 3) -- so nothing is sent: no state-sized collective across regions, and no
+            # second copy of the state in memory, at the moment of recovery.
+            state = trainer.state_from_host(self.kept.state)
+            # One tiny collective where the broadcast would have been: a member that died since
+            # joining is a closed connection found now, not at the compile barrier's 30 s
+            # coordination heartbeat.
+            multihost_utils.sync_global_devices(f"resilient_jax.adopted.{self.generation}")
+            log.info("adopted state after step %d: its own copy, which every member holds (nothing sent)",
+                     world["resume_step"])
+            return state
+        # A newcomer, a promoted spare or a member a step behind: the source's copy reaches all in
+        # one bit-exact broadcast (survivors offer their own copy, the others zeros of its shape).
+        template = self.kept.state if self.kept.state is not None else trainer.host_state_template()
+        source = world["source"]
+        state = trainer.state_from_host(transfer.broadcast(template, is_source=world["members"][rank] == source))
+        log.info("adopted state from %s after step %d (%s)", source, world["resume_step"],
+                 "own copy" if source == self.host else "from a peer, over the collective, not from disk")
+        return state
 
     def _announce_resume(self, trainer, resumed) -> None:
         """Rank 0: metrics.jsonl keeps one record per step from here (the steps after the checkpoint
