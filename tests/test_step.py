@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -22,19 +23,54 @@ from conftest import TINY
 GOLDEN_LOSSES = [5.557361602783203, 5.556079387664795, 5.5568413734436035]
 
 
-def _build(devices: int = 8, mode: str = "invariant"):
+# Compiling a step is nearly all of this module's time (XLA on CPU), so each distinct program is
+# built once per module and shared by the tests that run it: `_compute_on` and `_apply_on` hand out
+# the same jitted function for the same (layout, mode, plan). Sharing a compiled program changes no
+# claim below -- every test still runs that program on its own inputs -- and the "no recompilation"
+# checks (`_cache_size() == 1`) still count every compilation the shared function has ever done.
+# The state is built afresh wherever a test lets `apply` donate it; the compute-only tests share
+# one set of params per layout (compute never consumes them, which the donation test checks).
+
+
+@functools.cache  # positional, no defaults: (8,) and (8, 1) would be two cache keys
+def _setup(data: int, fsdp: int):
     from resilient_jax.config import load_config
 
     cfg = load_config(TINY)
     model_def = state_lib.make_model_def(cfg.model)
     tx = build_optimizer(cfg.optimizer, cfg.train.steps)
-    mesh = mesh_lib.build_mesh(ParallelConfig(data=devices))
-    plan = step_lib.make_shard_plan(cfg.data.global_batch, cfg.parallel.virtual_shards, devices)
-    state = state_lib.init_state(model_def, tx, mesh, cfg.train.seed)
-    compute = step_lib.make_compute(model_def, mesh, plan, seed=0, mode=mode, use_dropout=True)
-    apply = step_lib.make_apply(tx, lr_schedule(cfg.optimizer, cfg.train.steps),
-                                state_lib.state_shardings(model_def, tx, mesh), mesh)
-    return state, compute, apply
+    mesh = mesh_lib.build_mesh(ParallelConfig(data=data, fsdp=fsdp))
+    return cfg, model_def, tx, mesh
+
+
+@functools.cache
+def _compute_fn(data: int, fsdp: int, mode: str, max_share: float = 1.0):
+    cfg, model_def, _, mesh = _setup(data, fsdp)
+    plan = step_lib.make_shard_plan(cfg.data.global_batch, cfg.parallel.virtual_shards, data * fsdp,
+                                    max_share=max_share)
+    return step_lib.make_compute(model_def, mesh, plan, seed=0, mode=mode, use_dropout=True)
+
+
+@functools.cache
+def _apply_on(devices: int):
+    cfg, model_def, tx, mesh = _setup(devices, 1)
+    return step_lib.make_apply(tx, lr_schedule(cfg.optimizer, cfg.train.steps),
+                               state_lib.state_shardings(model_def, tx, mesh), mesh)
+
+
+def _fresh_state(data: int, fsdp: int):
+    cfg, model_def, tx, mesh = _setup(data, fsdp)
+    return state_lib.init_state(model_def, tx, mesh, cfg.train.seed)
+
+
+@functools.cache
+def _shared_params(data: int, fsdp: int):
+    return _fresh_state(data, fsdp).params
+
+
+def _build(devices: int = 8, mode: str = "invariant"):
+    """A fresh state (apply may donate it) with the shared compute and apply on `devices`."""
+    return _fresh_state(devices, 1), _compute_fn(devices, 1, mode), _apply_on(devices)
 
 
 def _batches(n: int):
@@ -73,10 +109,13 @@ def test_compute_never_consumes_the_state_and_apply_donates_it():
 
 
 def test_shard_finiteness_names_the_poisoned_shard_and_rows():
-    state, compute, _ = _build(devices=4)
+    # On the (4, 2) grid whose step the collective and uneven-layout tests compile anyway (the flags
+    # are gathered over the whole data x fsdp grid, so any grid serves): shard 5 is the last of
+    # device 1's three, neither the first device's nor the first slot's.
+    params, compute = _compute_on(4, 2)
     tokens, weights = next(_batches(1))
     weights[2 * 5 + 1, 7] = np.nan  # virtual shard 5 (2 rows per shard), row 11
-    result = compute(state.params, tokens, weights, np.int32(0))
+    result = compute(params, tokens, weights, np.int32(0))
     shard_finite = np.asarray(result.shard_finite)
     assert shard_finite.shape == (24,) and list(np.flatnonzero(~shard_finite)) == [5]
     assert list(np.flatnonzero(~np.asarray(result.row_finite))) == [11]
@@ -94,15 +133,8 @@ def test_replicas_that_do_not_divide_the_shards_get_padding():
 
 
 def _compute_on(data: int, fsdp: int, mode: str = "invariant"):
-    from resilient_jax.config import load_config
-
-    cfg = load_config(TINY)
-    model_def = state_lib.make_model_def(cfg.model)
-    tx = build_optimizer(cfg.optimizer, cfg.train.steps)
-    mesh = mesh_lib.build_mesh(ParallelConfig(data=data, fsdp=fsdp))
-    plan = step_lib.make_shard_plan(cfg.data.global_batch, cfg.parallel.virtual_shards, data * fsdp)
-    params = state_lib.init_state(model_def, tx, mesh, cfg.train.seed).params
-    return params, step_lib.make_compute(model_def, mesh, plan, seed=0, mode=mode, use_dropout=True)
+    """Shared params and the shared compute of tiny.yaml's step on a data x fsdp grid."""
+    return _shared_params(data, fsdp), _compute_fn(data, fsdp, mode)
 
 
 def _host(tree):
@@ -189,21 +221,15 @@ def test_an_uneven_shard_layout_changes_no_bit(counts):
     """Which device computes which virtual shard (resilient_jax.assignment moves them between
     hosts) leaves every gradient bit, the loss and the per-shard statistics as they were; so does
     the uneven program itself (spare slots, a per-device trip count) against the uniform one."""
-    from resilient_jax.config import load_config
-
-    cfg = load_config(TINY)
-    model_def = state_lib.make_model_def(cfg.model)
-    tx = build_optimizer(cfg.optimizer, cfg.train.steps)
-    mesh = mesh_lib.build_mesh(ParallelConfig(data=4, fsdp=2))
-    params = state_lib.init_state(model_def, tx, mesh, cfg.train.seed).params
+    # Both parametrizations share one uniform and one uneven program (the counts are an input, not
+    # part of the program); the uniform one is the (4, 2) step the other compute tests share.
+    params, base = _compute_on(4, 2)
+    uneven = _compute_fn(4, 2, "invariant", max_share=2.0)
+    uniform_plan, uneven_plan = base.plan, uneven.plan
     tokens, weights = next(_batches(1))
     weights[10:12] = np.nan  # shard 5 poisoned: its flag must follow it to whichever device holds it
-    uniform_plan = step_lib.make_shard_plan(cfg.data.global_batch, cfg.parallel.virtual_shards, 8)
-    uneven_plan = step_lib.make_shard_plan(cfg.data.global_batch, cfg.parallel.virtual_shards, 8, max_share=2.0)
     assert uneven_plan.slots_per_device == 6 and uniform_plan.slots_per_device == 3
-    base = step_lib.make_compute(model_def, mesh, uniform_plan, seed=0, mode="invariant", use_dropout=True)
     expected = base(params, tokens, weights, np.int32(3))
-    uneven = step_lib.make_compute(model_def, mesh, uneven_plan, seed=0, mode="invariant", use_dropout=True)
     layout = uneven_plan.layout(counts)
     got = uneven(params, _in_slots(uneven_plan, layout, tokens), _in_slots(uneven_plan, layout, weights),
                  np.int32(3), layout)
