@@ -221,3 +221,28 @@ def test_store_removes_a_step_left_uncommitted_and_resumes_the_older(copy):
     state = store.restore_arrays(copy / "1", _abstract(1))
     store.close()
     assert _fingerprint(state) == _fingerprint(State(*_expected_state(1)))
+
+
+def test_a_step_is_unlisted_before_retention_deletes_any_of_its_files(tmp_path):
+    # Orbax's removal of an old step is not atomic. Stop it right after the step was un-committed
+    # (what a SIGKILL inside the removal leaves at worst): the step must not be listed, and the
+    # next store must remove what is left of it.
+    root = tmp_path / "ckpt"
+    store = CheckpointStore(root, async_save=True, keep=lambda steps: set(sorted(steps)[-1:]))
+
+    class KilledBeforeRemoving:
+        def delete(self, step):
+            pass
+
+        def close(self):
+            pass
+
+    store._manager._checkpoint_deleter._inner = KilledBeforeRemoving()
+    for step in (1, 2):
+        store.save(step, _device_state(step), _context(step))
+    store.close()
+    assert (root / "1").is_dir() and reader.list_steps(root) == [2]
+    assert reader.uncommitted_dirs(root) == [root / "1"]
+    reopened = CheckpointStore(root)
+    assert reopened.removed_temporary == [root / "1"] and reopened.steps() == [2]
+    reopened.close()

@@ -59,11 +59,44 @@ class _CommittingManager(ocp.CheckpointManager):
     place (its finalize runs once the rename is visible to every process) and before retention
     deletes old steps, this process hashes its files and writes its commit file."""
 
+    def __init__(self, directory, **kwargs):
+        super().__init__(directory, **kwargs)
+        # A private attribute of orbax's CheckpointManager (0.12.8): fail loudly if it moves.
+        inner = getattr(self, "_checkpoint_deleter", None)
+        if inner is None or not hasattr(inner, "delete"):
+            raise RuntimeError("orbax.checkpoint.CheckpointManager has no _checkpoint_deleter any more: "
+                               "resilient_jax.checkpoint.store._UncommitFirst must follow it")
+        self._checkpoint_deleter = _UncommitFirst(inner, Path(directory))
+
     def _finalize_checkpoint(self, step: int):
         super()._finalize_checkpoint(step)
         self.check_for_errors()  # a failed item must not be committed (orbax only logs it here)
         step_dir = Path(self.directory) / str(step)
         commit.write(step_dir, step, jax.process_index(), jax.process_count())
+
+
+class _UncommitFirst:
+    """Orbax's step deleter (retention, `delete`), made safe against a kill mid-delete: the step's
+    process-0 commit file goes first, so the step is no longer listed (reader.list_steps) before
+    any other file of it is removed. Deleting a directory is not atomic: a process killed inside
+    orbax's removal once left an old step with its commit files but without its manifest and
+    metadata -- listed, and failing verify. Now such a leftover is uncommitted, and the next store
+    removes it on open like any other."""
+
+    def __init__(self, inner, root: Path):
+        self._inner, self._root = inner, root
+
+    def delete(self, step: int) -> None:
+        if jax.process_index() == 0:  # orbax deletes on its primary host, process 0
+            commit.commit_file(self._root / str(step), 0).unlink(missing_ok=True)
+        self._inner.delete(step)
+
+    def delete_steps(self, steps: Sequence[int]) -> None:
+        for step in steps:
+            self.delete(step)
+
+    def close(self) -> None:
+        self._inner.close()
 
 
 class _Retention:
