@@ -450,7 +450,7 @@ class Worker:
             else:
                 # Everyone adopts the state of the member that completed the most steps (not from disk).
                 self.faults.adopting(self.generation, world["resume_step"])
-                state = self._adopt(trainer, world, rank)
+                state = self._adopt(trainer, world)
                 start = world["resume_step"]
                 position = _position_from_dict(world["data_position"])
             self.life.fire(Event.STATE_READY, f"step {start}")
@@ -477,7 +477,7 @@ class Worker:
             loop.close()
             self._leave(ckpt)
 
-    def _adopt(self, trainer, world: dict, rank: int):
+    def _adopt(self, trainer, world: dict):
         """The state after world["resume_step"], on this world's devices."""
         from jax.experimental import multihost_utils
 
@@ -500,7 +500,7 @@ class Worker:
         # one bit-exact broadcast (survivors offer their own copy, the others zeros of its shape).
         template = self.kept.state if self.kept.state is not None else trainer.host_state_template()
         source = world["source"]
-        state = trainer.state_from_host(transfer.broadcast(template, is_source=world["members"][rank] == source))
+        state = trainer.state_from_host(transfer.broadcast(template, is_source=source == self.host))
         log.info("adopted state from %s after step %d (%s)", source, world["resume_step"],
                  "own copy" if source == self.host else "from a peer, over the collective, not from disk")
         return state
