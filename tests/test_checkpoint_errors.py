@@ -270,6 +270,30 @@ def test_full_disk_during_save_injected(tmp_path, monkeypatch):
     assert reader.list_steps(root) == [1, 3]
 
 
+def test_full_disk_names_the_item_even_when_the_os_error_names_no_file(tmp_path, monkeypatch):
+    """Python's file layer raises a bare OSError(28) (no filename) under orbax's array-metadata writer."""
+    from etils import epath
+
+    root = tmp_path / "ckpt"
+    store = CheckpointStore(root, async_save=True)
+    path_cls = type(epath.Path(root))
+    original = path_cls.write_text
+
+    def write_text(self, *args, **kwargs):
+        if "array_metadatas" in str(self) and "optimizer.orbax-checkpoint-tmp" in str(self):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(path_cls, "write_text", write_text)
+    with pytest.raises(CheckpointSaveError) as failed:
+        store.save(1, _random_state(1), _context(1))
+        store.wait()
+    monkeypatch.undo()
+    assert "no space left on device while writing optimizer" in str(failed.value), failed.value
+    assert reader.list_steps(root) == [] and reader.temporary_dirs(root) == []
+    store.close()
+
+
 @pytest.mark.slow
 def test_full_disk_stops_training_with_one_line(tmp_path):
     mount = tmp_path / "tiny-disk"

@@ -108,3 +108,26 @@ def is_disk_full(error: BaseException) -> bool:
 def first_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return (text[0] if text else type(error).__name__)[:300]
+
+
+def failed_path(error: BaseException) -> str:
+    """The file a failed write was writing, as far as the error tells.
+
+    Tensorstore names the file in its message; Python's file layer, under orbax's metadata writers,
+    raises a bare `OSError(28, 'No space left on device')` with no filename. Its innermost frame
+    that holds a path (etils' `write_text(self, ...)`) still knows it, so look there.
+    """
+    if getattr(error, "filename", None):
+        return str(error.filename)
+    if os.sep in str(error):
+        return str(error)
+    frame_path = ""
+    tb = error.__traceback__
+    while tb is not None:
+        for name in ("self", "path", "filename"):
+            value = tb.tb_frame.f_locals.get(name)
+            if isinstance(value, (str, os.PathLike)) and os.sep in os.fspath(value):
+                frame_path = os.fspath(value)
+                break
+        tb = tb.tb_next
+    return frame_path or str(error)

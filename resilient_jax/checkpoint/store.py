@@ -245,7 +245,7 @@ class CheckpointStore:
         committed = self.steps()
         intact = (f"the newest committed checkpoint, step {committed[-1]}, is intact" if committed
                   else "no checkpoint was committed before")
-        item = re.search(r"orbax-checkpoint-tmp[^/]*/(\w+)\.orbax-checkpoint-tmp", str(error))
+        item = re.search(r"orbax-checkpoint-tmp[^/]*/(\w+)\.orbax-checkpoint-tmp", orbax_errors.failed_path(error))
         where = f" while writing {item.group(1)}" if item else ""
         if orbax_errors.is_disk_full(error):
             cause = f"no space left on device{where}"
