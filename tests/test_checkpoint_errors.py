@@ -243,23 +243,28 @@ def test_full_disk_during_save_real_tmpfs(tmp_path):
         _umount(mount)
 
 
-def test_full_disk_during_save_injected(tmp_path, monkeypatch):
-    """ENOSPC raised by the file layer under the JSON writes (the arrays go through tensorstore's C++)."""
+def _fail_json_writes(monkeypatch, fails, *, with_filename: bool) -> None:
+    """ENOSPC from etils' write_text (under orbax's and our JSON writes) for each path `fails` picks."""
     from etils import epath
 
+    path_cls = type(epath.Path("/"))
+    original = path_cls.write_text
+
+    def write_text(self, *args, **kwargs):
+        if fails(self):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), *([str(self)] if with_filename else []))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(path_cls, "write_text", write_text)
+
+
+def test_full_disk_during_save_injected(tmp_path, monkeypatch):
+    """ENOSPC raised by the file layer under the JSON writes (the arrays go through tensorstore's C++)."""
     root = tmp_path / "ckpt"
     store = CheckpointStore(root, async_save=True)
     store.save(1, _random_state(1), _context(1))
     store.wait()
-    path_cls = type(epath.Path(root))
-    original = path_cls.write_text
-
-    def write_text(self, *args, **kwargs):
-        if self.name == "manifest.json":
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self))
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(path_cls, "write_text", write_text)
+    _fail_json_writes(monkeypatch, lambda path: path.name == "manifest.json", with_filename=True)
     with pytest.raises(CheckpointSaveError) as failed:
         store.save(2, _random_state(2), _context(2))
         store.wait()
@@ -272,19 +277,10 @@ def test_full_disk_during_save_injected(tmp_path, monkeypatch):
 
 def test_full_disk_names_the_item_even_when_the_os_error_names_no_file(tmp_path, monkeypatch):
     """Python's file layer raises a bare OSError(28) (no filename) under orbax's array-metadata writer."""
-    from etils import epath
-
     root = tmp_path / "ckpt"
     store = CheckpointStore(root, async_save=True)
-    path_cls = type(epath.Path(root))
-    original = path_cls.write_text
-
-    def write_text(self, *args, **kwargs):
-        if "array_metadatas" in str(self) and "optimizer.orbax-checkpoint-tmp" in str(self):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(path_cls, "write_text", write_text)
+    _fail_json_writes(monkeypatch, lambda path: "array_metadatas" in str(path)
+                      and "optimizer.orbax-checkpoint-tmp" in str(path), with_filename=False)
     with pytest.raises(CheckpointSaveError) as failed:
         store.save(1, _random_state(1), _context(1))
         store.wait()
