@@ -16,6 +16,7 @@ import hashlib
 import inspect
 import io
 import json
+import math
 import os
 import re
 import sys
@@ -299,6 +300,12 @@ class RuntimeConfig:
     # controller then aborts the world's in-flight collectives. Heartbeats run on their own thread,
     # so a slow step or a network spike does not stop them.
     dead_after_seconds: float = 6.0
+    # The JAX coordination service's own heartbeat timeout (whole seconds): a member silent this long
+    # is declared dead by the service itself, which on GPUs is what makes XLA abort the collectives
+    # that wait on it (NCCL). The controller's liveness verdict (dead_after_seconds) comes first; this
+    # is the backstop that does not need the controller. Must be >= dead_after_seconds, so that a
+    # spike the controller waits out is never declared a failure by the service.
+    coordination_heartbeat_seconds: int = 30
     # Backstop only: a collective still blocked after this long raises even if every host is alive.
     # Failures are detected by liveness, so this is the longest spike that is waited out.
     collective_timeout_seconds: int = 120
@@ -458,6 +465,7 @@ RANGES: dict[str, Bound] = {
     "runtime.port": Bound(lo=0, hi=65535),
     "runtime.heartbeat_seconds": _positive(),
     "runtime.dead_after_seconds": _positive(),
+    "runtime.coordination_heartbeat_seconds": _at_least(1),
     "runtime.collective_timeout_seconds": _at_least(1),
     "runtime.stall_floor_seconds": _positive(),
     "runtime.stall_multiple": _at_least(1),
@@ -528,6 +536,12 @@ def from_dict(raw: dict[str, Any]) -> Config:
     if cfg.model.args and cfg.model.factory == BUILTIN_MODEL:
         raise ConfigError(f"config key model.args: the built-in model ({BUILTIN_MODEL}) takes the model.* keys "
                           "(model.d_model, model.n_layers, ...); model.args is for a model.factory of your own")
+    if cfg.runtime.coordination_heartbeat_seconds < cfg.runtime.dead_after_seconds:
+        raise ConfigError(
+            f"config key runtime.coordination_heartbeat_seconds: {cfg.runtime.coordination_heartbeat_seconds} is "
+            f"below runtime.dead_after_seconds ({cfg.runtime.dead_after_seconds:g}): the coordination service "
+            f"would declare a slow host dead before the controller's liveness verdict; set it to at least "
+            f"{math.ceil(cfg.runtime.dead_after_seconds)}")
     return cfg
 
 

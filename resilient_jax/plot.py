@@ -2,7 +2,8 @@
 
 Reads `RUN_DIR/metrics.jsonl` (single-process and elastic runs write the same records) and writes
 `loss.png`, `lr.png` and `throughput.png` to `--out` (default `RUN_DIR/plots`); resumes are
-marked with a dotted line at the step they continued from. Needs matplotlib (`pip install -e
+marked with a dotted line at the step they continued from. An elastic run also gets `lifecycle.png`,
+the per-host Gantt chart of its states with each fault's recovery seconds (resilient_jax.gantt). Needs matplotlib (`pip install -e
 ".[plot]"`). Exit codes: 0 written, 2 no metrics to plot (one line on stderr).
 """
 
@@ -14,6 +15,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from resilient_jax import gantt
 from resilient_jax.metrics import METRICS_FILE
 
 
@@ -95,6 +97,9 @@ def write_plots(run_dir: Path, out: Path) -> list[Path]:
     ax.set_ylim(bottom=0)
     ax.legend(loc="lower right")
     written.append(_save(fig, out / "throughput.png"))
+
+    if (timeline := gantt.read_run(run_dir)) is not None:
+        written.append(gantt.write([timeline], out / "lifecycle.png"))
     return written
 
 

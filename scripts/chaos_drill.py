@@ -16,7 +16,9 @@ Runs the fault-free run and one run per scenario with the same config and step c
 and prints one table row per injected fault -- what was injected, the response the run took,
 detection / recovery seconds, steps lost, restarts, and whether the final params fingerprint
 equals the fault-free run's. Writes drill.json, table.md, loss.png (loss vs step with fault
-markers) and timeline.png (per-host step times and generations) to --out. Exits 0 only when
+markers), timeline.png (per-host step times and generations) and lifecycle.png (per-host Gantt
+chart: training / detecting / re-forming / adopting / compiling, each fault's recovery seconds
+annotated, all runs on one time axis) to --out. Exits 0 only when
 every row holds: restarts 0, steps lost 0, fingerprint equal, and the expected response.
 
 A data fault changes the data by design, so its row is compared with the fault-free run that
@@ -253,6 +255,13 @@ def plot(out: Path, runs: dict[str, Path], scenarios: list[Scenario]) -> None:
     fig.tight_layout()
     fig.savefig(out / "timeline.png", dpi=110)
     plt.close(fig)
+
+    from resilient_jax import gantt
+
+    lifecycles = [t for name in ["fault-free"] + [s.name for s in scenarios]
+                  if (t := gantt.read_run(runs[name], name)) is not None]
+    if lifecycles:
+        gantt.write(lifecycles, out / "lifecycle.png")
 
 
 def _losses(run_dir: Path) -> list[tuple[int, float]]:

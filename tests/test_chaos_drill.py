@@ -41,7 +41,8 @@ def test_quick_drill_absorbs_all_four_fault_classes(tmp_path, default_dataset):
     first = mixed["assignment"]["decisions"][0]
     old, new = first["old_shards"], first["new_shards"]
     assert new[1] <= new[2] < old[2] == old[1] and new[0] > old[0] and new[3] > old[3]
-    assert (out / "loss.png").stat().st_size > 10_000 and (out / "timeline.png").stat().st_size > 10_000
+    for png in ("loss.png", "timeline.png", "lifecycle.png"):
+        assert (out / png).stat().st_size > 10_000, png
     assert "| partial cluster loss | `kill_region:eu@12` |" in (out / "table.md").read_text()
     # The fault-free elastic run is the one-process trajectory (invariant reduction).
     cfg = tiny_config(tmp_path / "ref", f"train.steps={drill['steps']}", "checkpoint.enabled=false")

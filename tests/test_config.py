@@ -267,3 +267,13 @@ def test_the_readmes_data_commands_write_where_git_ignores():
     for out in outs:
         probe = f"{out}/manifest.json"
         assert subprocess.run(["git", "check-ignore", "-q", probe], cwd=REPO).returncode == 0, probe
+
+
+def test_a_coordination_heartbeat_below_the_liveness_verdict_is_refused_naming_both_keys():
+    with pytest.raises(ConfigError) as err:
+        load_config(TINY, ["runtime.dead_after_seconds=6.5", "runtime.coordination_heartbeat_seconds=5"])
+    message = str(err.value)
+    assert "runtime.coordination_heartbeat_seconds" in message and "runtime.dead_after_seconds (6.5)" in message
+    assert "at least 7" in message and "\n" not in message
+    cfg = load_config(TINY, ["runtime.dead_after_seconds=6.5", "runtime.coordination_heartbeat_seconds=7"])
+    assert cfg.runtime.coordination_heartbeat_seconds == 7

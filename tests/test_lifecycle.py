@@ -4,6 +4,7 @@ processes or JAX -- every edge, the paths a run takes, and refusals of edges the
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 
 import pytest
@@ -95,3 +96,29 @@ def test_every_transition_is_logged_with_its_reason(caplog):
         life = Lifecycle("h3", FakeClock())
         life.fire(E.WORLD, "generation 2 of 3 hosts")
     assert "state WAITING -> JOINING on WORLD after 0.00 s: generation 2 of 3 hosts" in caplog.text
+
+
+def test_every_transition_is_appended_to_the_journal_with_its_wall_time(tmp_path):
+    from resilient_jax.elastic.lifecycle import lifecycle_journal
+
+    journal = lifecycle_journal(tmp_path, "h2")
+    walls = iter(range(100, 200))
+    life = Lifecycle("h2", FakeClock(), journal=journal, wall=lambda: float(next(walls)))
+    for event in (E.WORLD, E.FROM_PEER, E.STATE_READY, E.COMPILED, E.STEP_FAILED):
+        life.fire(event, "test")
+    lines = [json.loads(line) for line in journal.read_text().splitlines()]
+    assert journal == tmp_path / "elastic" / "lifecycle" / "h2.jsonl"
+    assert [line["state"] for line in lines] == ["waiting", "joining", "adopting", "compiling", "training", "leaving"]
+    assert [line["wall"] for line in lines] == [100.0, 101.0, 102.0, 103.0, 104.0, 105.0]
+    assert lines[0]["event"] is None and lines[-1]["event"] == "step_failed" and lines[-1]["host"] == "h2"
+
+
+def test_an_unwritable_journal_warns_once_and_the_worker_goes_on(tmp_path, caplog):
+    blocker = tmp_path / "elastic"
+    blocker.write_text("a file where the journal's directory should be")
+    with caplog.at_level(logging.WARNING, logger="resilient_jax.worker"):
+        life = Lifecycle("h0", FakeClock(), journal=blocker / "lifecycle" / "h0.jsonl")
+        life.fire(E.WORLD)
+        life.fire(E.FROM_DISK)
+    assert life.state is S.RESTORING and life.journal is None
+    assert caplog.text.count("could not append to the lifecycle journal") == 1

@@ -116,6 +116,8 @@ class GenerationEvent:
             "reformation_seconds": None if self.formed_at is None or self.detected_at is None
             else round(self.formed_at - self.detected_at, 3),
             "recovery_seconds": since(self.first_step_at),
+            # The fault (or its detection) on the wall clock, to place it on the hosts' lifecycle journals.
+            "origin_wall": None if origin is None else round(time.time() - time.monotonic() + origin, 3),
             "steps_lost": self.steps_lost,
             "reslotted": self.reslotted,
             "decision": self.decision,
@@ -171,14 +173,16 @@ class Controller:
                  total_steps: int = 0, straggler_factor: float = 1.5, straggler_window: int = 10,
                  on_dead: Callable[[str], None] | None = None, console: Callable[[str], None] | None = None,
                  run_options: dict | None = None, history: RunHistory | None = None,
-                 tls: ServerTls | None = None, assignment: str = "uniform"):
+                 tls: ServerTls | None = None, assignment: str = "uniform", coordination_heartbeat_seconds: int = 30):
         """`console` receives one sentence per event and a progress line per logged step (the
         driver prints them); `run_options` go to every worker as it registers (this invocation's
         --resume / --allow-config-change / --stop-at); `history` is the run's record across
         invocations (run_history.json), kept by the driver since rank 0 may change hands. `tls`:
         serve https with that certificate (resilient_jax.elastic.tls). `assignment`: the workers'
         shard assignment ("proportional" absorbs a slow host by moving its shards; then only a
-        spare replaces a straggler, and an idle host that still holds the step back is reslotted)."""
+        spare replaces a straggler, and an idle host that still holds the step back is reslotted).
+        `coordination_heartbeat_seconds`: each generation's JAX coordination service declares a
+        silent member dead after this long (runtime.coordination_heartbeat_seconds)."""
         channel.check_bind(bind, token, tls is not None)
         self.config_hash = config_hash
         self.expected_hosts = expected_hosts
@@ -186,6 +190,7 @@ class Controller:
         self.bind = bind
         self.token = token
         self.dead_after = dead_after_seconds
+        self.coordination_heartbeat = coordination_heartbeat_seconds
         self.min_hosts = min_hosts
         self.total_steps = total_steps
         self.straggler_factor, self.straggler_window = straggler_factor, straggler_window
@@ -666,7 +671,8 @@ class Controller:
         joiners = sorted(h for h, m in self.members.items() if m.status == "registered")
         members = tuple(old + joiners)
         address = f"{self.bind}:{channel.free_port(self.bind)}"
-        self.services[generation] = CoordinationService(address, len(members))
+        self.services[generation] = CoordinationService(address, len(members),
+                                                        heartbeat_timeout=self.coordination_heartbeat)
         for stale in [g for g in self.services if g < generation - 1]:
             self.services.pop(stale).shutdown()
         for h in members:

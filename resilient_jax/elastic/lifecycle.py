@@ -13,14 +13,20 @@ with the state of its last completed step and waits for the next one: that is ho
 moment costs no step. `Lifecycle.fire` refuses a transition the table does not have, logs every
 one with its reason, and keeps the seconds spent in each state (the recovery breakdown:
 detecting = TRAINING's failed step, re-forming = LEAVING + WAITING + JOINING, ADOPTING, COMPILING).
+
+With a `journal` path, every transition is also appended there as one JSON line (the state entered,
+its wall-clock time, the event and reason): `python -m resilient_jax.plot` draws the per-host Gantt
+chart of a run from these files, and a host killed mid-state still leaves every earlier one.
 """
 
 from __future__ import annotations
 
 import enum
+import json
 import logging
 import time
 from collections import defaultdict
+from pathlib import Path
 from typing import Callable
 
 log = logging.getLogger("resilient_jax.worker")
@@ -51,6 +57,11 @@ class Event(enum.Enum):
     FINISHED = "finished"  # the last step, checkpointed
     STOPPED = "stopped"  # an agreed stop (Ctrl-C, SIGTERM, --stop-at), checkpointed
     LEFT = "left"
+
+
+def lifecycle_journal(run_dir: str | Path, host: str) -> Path:
+    """Where a host appends its transitions: RUN_DIR/elastic/lifecycle/HOST.jsonl (on that host's disk)."""
+    return Path(run_dir) / "elastic" / "lifecycle" / f"{host}.jsonl"
 
 
 S, E = State, Event
@@ -88,10 +99,13 @@ def next_state(state: State, event: Event) -> State:
 class Lifecycle:
     """The current state, moved only through the table; every move logged with its reason."""
 
-    def __init__(self, host: str, clock: Callable[[], float] = time.perf_counter):
-        self.host, self.clock = host, clock
+    def __init__(self, host: str, clock: Callable[[], float] = time.perf_counter, *, journal: Path | None = None,
+                 wall: Callable[[], float] = time.time):
+        self.host, self.clock, self.wall = host, clock, wall
+        self.journal = journal
         self.state = State.WAITING
         self.entered = clock()
+        self._record(self.state, None, "started")
         self.seconds: dict[State, float] = defaultdict(float)  # time spent in each state, whole run
         self.left_because: Event | None = None  # the event that last moved the worker into LEAVING
         self.history: list[tuple[State, Event, State, str]] = []
@@ -107,7 +121,21 @@ class Lifecycle:
         if new is State.LEAVING:
             self.left_because = event
         self.state, self.entered = new, now
+        self._record(new, event, reason)
         return new
+
+    def _record(self, entered: State, event: Event | None, reason: str) -> None:
+        if self.journal is None:
+            return
+        line = {"host": self.host, "state": entered.value, "wall": round(self.wall(), 4),
+                "event": event.value if event else None, "reason": reason}
+        try:
+            self.journal.parent.mkdir(parents=True, exist_ok=True)
+            with self.journal.open("a") as f:  # a line per transition: a few per world
+                f.write(json.dumps(line) + "\n")
+        except OSError as e:  # the timeline is for plots; training must not stop for it
+            log.warning("could not append to the lifecycle journal %s: %s", self.journal, e)
+            self.journal = None
 
     def totals(self) -> dict[str, float]:
         """Seconds spent in each state so far, the current one included, by state name."""

@@ -131,6 +131,7 @@ def _drive(cfg: Config, run_dir: Path, options: dict, history: RunHistory) -> di
         straggler_factor=cfg.runtime.straggler_factor, straggler_window=cfg.runtime.straggler_window,
         console=_console, run_options=options, history=history, tls=server_tls,
         assignment=effective_policy(cfg.runtime.assignment, cfg.parallel.reduction, len(plan)),
+        coordination_heartbeat_seconds=cfg.runtime.coordination_heartbeat_seconds,
     )
     controller_file = run_dir / "elastic" / "controller.json"
     controller_file.write_text(json.dumps({"url": controller.url, "pid": os.getpid(),

@@ -53,7 +53,7 @@ from pathlib import Path
 
 import numpy as np
 
-from resilient_jax.elastic.lifecycle import Event, Lifecycle, State
+from resilient_jax.elastic.lifecycle import Event, Lifecycle, State, lifecycle_journal
 
 log = logging.getLogger("resilient_jax.worker")
 
@@ -332,7 +332,7 @@ class Worker:
         from resilient_jax.trainer import RunTotals
 
         self.kept = HostState()
-        self.life = Lifecycle(host)
+        self.life = Lifecycle(host, journal=lifecycle_journal(cfg.run.dir, host))
         self.verified_dataset = None  # the dataset's Manifest once this process has hashed its shards
         self.generation = -1
         self.coordinator_port: int | None = None  # set while this process is in a JAX world
@@ -407,7 +407,9 @@ class Worker:
         members = self.members = world["members"]
         rank = members.index(self.host)
         try:
-            world_lib.join(world["coordinator"], len(members), rank)  # not under the lock: it waits for peers
+            # Not under the lock: it waits for peers.
+            world_lib.join(world["coordinator"], len(members), rank,
+                           heartbeat_timeout=self.cfg.runtime.coordination_heartbeat_seconds)
         except world_lib.WorldFormationError as e:
             # What this host kept from the last world is unchanged; ask for the next one.
             self.generation = self.heartbeat.generation = world["generation"]
