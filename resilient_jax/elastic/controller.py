@@ -20,7 +20,8 @@ the member whose state everyone adopts). A new generation is formed when a membe
 process exits, or it is silent for `dead_after_seconds`) or when registered newcomers wait and
 the members agree to grow. All live members of world g ask for world g+1 (`/reform`), reporting
 how many steps they completed; world g+1 resumes from max(completed) -- the state of a member
-that completed them -- so a fault costs zero steps. Step numbers follow the run's convention:
+that completed them -- so a fault costs zero steps. Who is in world g+1, and from whose state, is
+decided by the pure function `membership.plan_reform`; this module applies it. Step numbers follow the run's convention:
 step k is the update that brings the run to k completed steps (what its checkpoint carries).
 
 Stopping (Ctrl-C, SIGTERM: `request_stop`): every heartbeat reply says `stop`, the members agree on
@@ -47,7 +48,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from resilient_jax.elastic import channel, stragglers
+from resilient_jax.elastic import channel, membership, stragglers
 from resilient_jax.elastic.tls import ServerTls, connect_host
 from resilient_jax.run_history import DONE, RunHistory
 from resilient_jax.elastic.world import CoordinationService
@@ -617,46 +618,28 @@ class Controller:
         world = self.world
         if world is None or self.summary is not None or self.error:
             return
-        live = [h for h in world.members if self.members[h].status == "active"]
-        lost = [h for h in world.members if self.members[h].status == "dead"]
-        if not self.reform_requests and not lost:
+        change = self.pending_change
+        plan = membership.plan_reform(
+            world.members, {h: m.status for h, m in self.members.items()},
+            {h: r["completed_step"] for h, r in self.reform_requests.items() if h in world.members},
+            None if change is None else membership.PlannedChange(change.kind, change.host, change.spare),
+            min_hosts=self.min_hosts, registered=self._count("registered"),
+            spares=sorted(h for h, m in self.members.items() if m.status == "spare"))
+        if plan is None:
             return
-        if any(h not in self.reform_requests for h in live):
-            return  # a live member is still in the old world; it will fail its collective and ask
-        if len(live) < self.min_hosts:
+        if isinstance(plan, membership.TooFewHosts):
             self.fail(self._failure_message() if self.failures else
-                      f"only {len(live)} hosts left ({', '.join(live) or 'none'}); runtime.min_hosts is "
+                      f"only {len(plan.live)} hosts left ({', '.join(plan.live) or 'none'}); runtime.min_hosts is "
                       f"{self.min_hosts}")
             return
-        change, self.pending_change = self.pending_change, None
-        evicted = [change.host] if change is not None and change.host in live else []
-        completed = {h: self.reform_requests[h]["completed_step"] for h in live}
-        best = max(completed.values())  # steps completed: the new world resumes from the state after step `best`
-        # No live member holds state in memory (-1: the first world failed while forming): the next
-        # world restores from the newest checkpoint instead of adopting anyone's.
-        source = (None if best < 0 else
-                  min((h for h in live if completed[h] == best and h not in evicted), key=world.members.index))
-        if lost:
-            reason = "failure"
-        elif evicted:
-            reason = change.kind
-        elif self._count("registered"):
-            reason = "join"
-        else:  # every member alive and asking: a collective hit the backstop timeout
-            reason = "collective-timeout"
-        for host in evicted:
-            self.members[host].status = "reslotted" if change.kind == "reslot" else "drained"
-        # Spares take the slots of lost hosts, and of a reslotted or drained host when the change names one.
-        wanted = len(lost) + (1 if change is not None and change.spare else 0)
-        promoted = [h for h in ([change.spare] if change is not None and change.spare else []) +
-                    sorted(h for h, m in self.members.items() if m.status == "spare")
-                    if self.members[h].status == "spare"][:wanted]
-        for host in promoted:
+        self.pending_change = None
+        for host in plan.evicted:
+            self.members[host].status = plan.evicted_status
+        for host in plan.promoted:
             self.members[host].status = "registered"
-        self._form(reason=reason, resume_step=max(best, 0), source=source,
-                   holders=() if source is None else tuple(h for h in live if completed[h] == best),
-                   data_position=None if source is None else self.reform_requests[source]["data_position"],
-                   lost=lost, reslotted=evicted,
+        self._form(reason=plan.reason, resume_step=plan.resume_step, source=plan.source, holders=plan.holders,
+                   data_position=None if plan.source is None else self.reform_requests[plan.source]["data_position"],
+                   lost=list(plan.lost), reslotted=list(plan.evicted),
                    decision=change.record if change is not None else None)
 
     def _form(self, *, reason: str, resume_step: int, source: str | None, data_position: dict | None,
