@@ -21,7 +21,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from resilient_jax.config import ConfigError, load_config  # noqa: E402
-from resilient_jax.elastic.ray_launcher import HOST_RESOURCE, Node, plan_placement  # noqa: E402
+from resilient_jax.elastic.ray_placement import HOST_RESOURCE, Node, plan_placement  # noqa: E402
 
 from conftest import REPO, read_summary, run_cli  # noqa: E402
 

@@ -1,6 +1,8 @@
 """`runtime.launcher: ray` -- one worker per node of a Ray cluster.
 
-Same contract as `LocalLauncher` (start_host / fence / stop / pids). Each host is a small Ray actor
+Same contract as `LocalLauncher` (start_host / fence / stop / pids). Three modules: the pure
+placement rules (`ray_placement`), the actor that runs one worker (`ray_actor`), and this launcher
+that connects, places, watches and fences. Each host is a small Ray actor
 (`HostActor`, pinned to its node) that runs the ordinary worker CLI as a subprocess on that node:
 `python -m resilient_jax.elastic worker --controller URL --host hN --region R --config-json FILE
 --devices N [--spare]`, with the token in $RESILIENT_JAX_TOKEN. The controller stays in the driver
@@ -11,31 +13,8 @@ Connecting (`runtime.ray_address`):
   "auto"        attaches to the cluster this machine belongs to; host:port attaches to that one.
                 `stop()` only disconnects; the cluster keeps running.
 
-Which nodes run workers -- the preflight check, done before anything starts:
-  * A node runs a worker only if it advertises the custom resource `resilient_jax_host: 1`
-    (`ray start --resources='{"resilient_jax_host": 1}'`, or `resources:` in a cluster YAML).
-    Nodes without it (typically the head node that runs the driver) are left alone. The actor
-    claims that resource, so Ray itself never puts two workers on one node.
-  * Devices: a worker node that advertises GPUs runs its worker on them (the worker picks the
-    platform itself, `gpu_env.detect_platform`: $JAX_PLATFORMS, else an installed CUDA plugin), so it
-    must advertise GPU >= topology.devices_per_host, and the actor reserves that many GPUs (Ray sets
-    CUDA_VISIBLE_DEVICES for it, which the worker inherits). A node without GPUs runs the worker on
-    `devices_per_host` emulated CPU devices and needs CPU >= 1. A node that opted in but falls short
-    is a ConfigError naming it and what it lacks, even if other nodes would do (`device_problem`).
-    (The launcher cannot see which JAX plugin a node has installed; it takes the node's Ray GPU
-    resource as the sign.)
-  * Fewer usable alive nodes than max(runtime.min_hosts, initial hosts = sum of topology.regions
-    hosts) is a ConfigError that says how many were found, how many are needed, which nodes are
-    unusable and why, and what to do. Spares (`regions[].spares`) use extra nodes when there are
-    some; otherwise they are started when nodes join (a warning says so).
-  * Regions: a node may carry the custom resource `region:<name>` (cluster YAML:
-    `resources: {"resilient_jax_host": 1, "region:us": 1}`). If any usable node carries
-    `region:R`, hosts of region R go only to such nodes (too few is a ConfigError naming the
-    region). A region no node is labelled with takes nodes without a region label of this config,
-    in node order.
-  * Workers on other machines must reach the controller: with nodes whose IP is not this machine's,
-    `runtime.bind` must be an address of this machine they can reach (not loopback, not 0.0.0.0),
-    with a token. The controller also hands that address to workers as the JAX coordinator.
+Which nodes run workers -- the preflight check, done before anything starts -- is `ray_placement`'s
+(the custom resource `resilient_jax_host`, devices, `region:<name>` labels, a reachable controller).
 
 Runtime:
   * Death: a watcher thread waits on every actor's `wait()`; the worker exiting reports
@@ -65,151 +44,21 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from resilient_jax.config import Config, ConfigError
+from resilient_jax.elastic.ray_actor import remote_host_actor
+from resilient_jax.elastic.ray_placement import (
+    HOST_RESOURCE, Node, device_problem, is_worker_node, node_problem, pick_node, plan_placement, uses_gpus,
+)
 from resilient_jax.elastic.tls import CA_ENV as TLS_CA_ENV
 
 log = logging.getLogger(__name__)
 
-HOST_RESOURCE = "resilient_jax_host"
-REGION_PREFIX = "region:"
 NODE_POLL_SECONDS = 1.0
-
-
-# -- nodes and the placement plan (pure functions, no Ray; unit-tested on fake node lists) ----------
-
-
-@dataclass(frozen=True)
-class Node:
-    node_id: str
-    ip: str
-    resources: dict
-
-    @classmethod
-    def from_ray(cls, entry: dict) -> Node:
-        return cls(node_id=entry["NodeID"], ip=entry.get("NodeManagerAddress", "?"),
-                   resources=dict(entry.get("Resources") or {}))
-
-    @property
-    def name(self) -> str:
-        return f"node {self.node_id[:12]} ({self.ip})"
-
-    def region(self, names: list[str]) -> str | None:
-        """The config region this node is labelled with (`region:<name>`), if any."""
-        for name in names:
-            if self.resources.get(REGION_PREFIX + name, 0) > 0:
-                return name
-        return None
-
-
-def is_worker_node(node: Node) -> bool:
-    """Opted in to run a worker: advertises the custom resource resilient_jax_host."""
-    return node.resources.get(HOST_RESOURCE, 0) >= 1
-
-
-def uses_gpus(node: Node) -> bool:
-    return node.resources.get("GPU", 0) > 0
-
-
-def device_problem(node: Node, devices_per_host: int) -> str | None:
-    """What a worker node lacks to provide `devices_per_host` devices, or None (the module docstring
-    has the rule): GPU nodes need that many GPUs, every node at least one CPU."""
-    missing = []
-    if node.resources.get("CPU", 0) < 1:
-        missing.append("CPU (has 0, needs >= 1)")
-    gpus = node.resources.get("GPU", 0)
-    if 0 < gpus < devices_per_host:
-        missing.append(f"GPU (has {gpus:g}, topology.devices_per_host needs {devices_per_host})")
-    return f"lacks {' and '.join(missing)}" if missing else None
-
-
-def node_problem(node: Node, devices_per_host: int) -> str | None:
-    """Why this node cannot run a worker, or None."""
-    if not is_worker_node(node):
-        return f"lacks resource {HOST_RESOURCE}"
-    return device_problem(node, devices_per_host)
-
-
-def pick_node(region: str, free: list[Node], usable: list[Node], names: list[str]) -> Node | None:
-    """A free node for a host of `region`: one labelled `region:<region>` if the cluster labels any
-    usable node so; otherwise the first free node without a label of this config."""
-    if any(n.region(names) == region for n in usable):
-        return next((n for n in free if n.region(names) == region), None)
-    return next((n for n in free if n.region(names) is None), None)
-
-
-def plan_placement(cfg: Config, nodes: list[Node], address: str, private: bool = False
-                   ) -> tuple[dict[str, Node], list[Node]]:
-    """(host -> node for the initial hosts, the usable nodes), or ConfigError naming the problem.
-    `address`: the cluster's address, for messages; `private`: a private instance of this machine."""
-    from resilient_jax.elastic.run import host_plan
-
-    plan = host_plan(cfg)
-    names = [r.name for r in cfg.topology.regions]
-    devices = cfg.topology.devices_per_host
-    usable = [n for n in nodes if node_problem(n, devices) is None]
-    unusable = [f"{n.name} {node_problem(n, devices)}" for n in nodes if node_problem(n, devices) is not None]
-    misconfigured = [n for n in nodes if is_worker_node(n) and device_problem(n, devices) is not None]
-    shape = ", ".join(f"{r.name}={r.hosts}" for r in cfg.topology.regions)
-    needed = max(cfg.runtime.min_hosts, len(plan))
-    resources = f"--resources='{{\"{HOST_RESOURCE}\": 1}}'"
-    if private:
-        where = "private Ray instance (runtime.ray_address \"\")"
-        start_node = (f"it has one node, this machine: start a cluster (`ray start --head {resources}`, then "
-                      f"`ray start --address=<head>:6379 {resources}` on each other node) and set "
-                      "runtime.ray_address=auto, or use runtime.launcher=local")
-    else:
-        where = f"Ray cluster {address}"
-        start_node = (f"start more with `ray start --address={address} {resources}`"
-                      f" (add \"{REGION_PREFIX}<name>\": 1 to pin a region), or shrink topology.regions")
-    if misconfigured:  # meant to run a worker (it opted in) but cannot: the cluster needs fixing
-        named = _some([f"{n.name} has resource {HOST_RESOURCE} but {device_problem(n, devices)}"
-                       for n in misconfigured])
-        gpus = f"GPU >= {devices} (topology.devices_per_host) and " if any(map(uses_gpus, misconfigured)) else ""
-        raise ConfigError(
-            f"{where}: {named}; a worker there needs {gpus}CPU >= 1: restart the node with the right resources "
-            f"(`ray start --num-cpus/--num-gpus`) or without {HOST_RESOURCE}")
-    if len(usable) < needed:
-        why = f"; not usable: {_some(unusable)}" if unusable else ""
-        raise ConfigError(
-            f"{where}: {len(usable)} of {len(nodes)} alive nodes can run a worker, the config needs "
-            f"{needed} (topology.regions {shape}, one node per host"
-            f"{f', runtime.min_hosts {cfg.runtime.min_hosts}' if cfg.runtime.min_hosts > len(plan) else ''})"
-            f"{why}; {start_node}")
-    free = list(usable)
-    placement: dict[str, Node] = {}
-    for host, region in plan:
-        node = pick_node(region, free, usable, names)
-        if node is None:
-            labelled = [n for n in usable if n.region(names) == region]
-            wanted = sum(r.hosts for r in cfg.topology.regions if r.name == region)
-            if labelled:
-                what = (f"region {region} needs {wanted} hosts but only {len(labelled)} usable nodes carry "
-                        f"resource {REGION_PREFIX}{region} ({', '.join(n.name for n in labelled)})")
-            else:
-                unlabelled = [n for n in usable if n.region(names) is None]
-                what = (f"no usable node carries {REGION_PREFIX}{region}, so region {region} takes nodes without a "
-                        f"region label, and only {len(unlabelled)} such nodes are left for the regions that need them")
-            raise ConfigError(f"{where}: {what}; label more nodes (resources "
-                              f"{{\"{HOST_RESOURCE}\": 1, \"{REGION_PREFIX}{region}\": 1}}) or change topology.regions")
-        free.remove(node)
-        placement[host] = node
-    return placement, usable
-
-
-def _some(items: list[str], shown: int = 4) -> str:
-    """The first few of a list for a one-line message, and how many more."""
-    more = f"; and {len(items) - shown} more" if len(items) > shown else ""
-    return "; ".join(items[:shown]) + more
 
 
 def _is_loopback_or_any(host: str) -> bool:
@@ -236,115 +85,6 @@ def _check_gcs_reachable(address: str, timeout: float = 5.0) -> None:
         raise ConfigError(f"runtime.ray_address={address!r}: no Ray cluster answers there ({e}); start one "
                           "(`ray start --head`) and use its address (or \"auto\" on a cluster node), or set "
                           "runtime.ray_address=\"\" for a private instance on this machine") from None
-
-
-# -- the actor that runs one worker on its node ----------------------------------------------------
-
-
-def _prepare_child(libc, parent_pid: int, niceness: int) -> None:
-    """preexec_fn of the worker: SIGKILL it when the thread that started it (alive as long as the
-    child is) or its process dies -- a worker must not outlive its actor or node; and give it back
-    the raylet's CPU priority (Ray runs its worker processes, hence this actor, at nice 15, which
-    would make the training process lose every contest for the CPU). Best effort: without the
-    permission to lower niceness the worker keeps the actor's."""
-    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent_pid:
-        os.kill(os.getpid(), signal.SIGKILL)
-    try:
-        os.setpriority(os.PRIO_PROCESS, 0, niceness)
-    except OSError:
-        pass
-
-
-def _raylet_niceness() -> int:
-    try:
-        return os.getpriority(os.PRIO_PROCESS, int(os.environ["RAY_RAYLET_PID"]))
-    except (KeyError, ValueError, OSError):
-        return 0
-
-
-# The actor's own environment is the node's plus what Ray sets for its worker processes; the
-# training process gets the node's, without Ray's per-task settings.
-_RAY_ONLY_ENV = ("OMP_NUM_THREADS", "PYTHONBREAKPOINT")
-
-
-class HostActor:
-    """Runs one worker subprocess on this node; `wait()` returns its exit code. (Threaded actor:
-    `kill()` and `info()` run while `wait()` blocks.)"""
-
-    def __init__(self, host: str, argv: list[str], config_json: str, log_dir: str, env: dict, cwd: str):
-        import ray
-
-        self.host = host
-        self.tmp = tempfile.mkdtemp(prefix=f"resilient-jax-{host}-")
-        config_path = Path(self.tmp) / "config.json"
-        config_path.write_text(config_json)
-        self.log_path = self._log_path(Path(log_dir), host)
-        self.node_id = ray.get_runtime_context().get_node_id()
-        self.ip = ray.util.get_node_ip_address()
-        cmd = [sys.executable, "-m", "resilient_jax.elastic", "worker", *argv, "--config-json", str(config_path)]
-        node_env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_") and k not in _RAY_ONLY_ENV}
-        full_env = {**node_env, **env}
-        self.code: int | None = None
-        self.proc: subprocess.Popen | None = None
-        self._done = threading.Event()
-        self._started = threading.Event()
-        self._error: str | None = None
-        with open(self.log_path, "ab") as f:
-            f.write(f"resilient_jax ray: {host} on node {self.node_id} ({self.ip}), actor pid {os.getpid()}\n"
-                    .encode())
-        # The child's PDEATHSIG follows the thread that forks it, so that thread lives as long as the child.
-        threading.Thread(target=self._run, args=(cmd, full_env, cwd), name=f"{host}-worker", daemon=True).start()
-        self._started.wait()
-        if self._error:
-            raise RuntimeError(self._error)
-
-    @staticmethod
-    def _log_path(log_dir: Path, host: str) -> Path:
-        try:
-            log_dir.mkdir(parents=True, exist_ok=True)
-            path = log_dir / f"{host}.log"
-            with open(path, "ab"):
-                pass
-            return path
-        except OSError:
-            fallback = Path(tempfile.gettempdir()) / "resilient_jax_logs"
-            fallback.mkdir(parents=True, exist_ok=True)
-            return fallback / f"{host}.log"
-
-    def _run(self, cmd: list[str], env: dict, cwd: str) -> None:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)  # loaded before the fork: the child only calls it
-        pid, nice = os.getpid(), _raylet_niceness()
-        try:
-            with open(self.log_path, "ab") as log_file:
-                self.proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env,
-                                             cwd=cwd if os.path.isdir(cwd) else self.tmp,
-                                             preexec_fn=lambda: _prepare_child(libc, pid, nice))
-        except OSError as e:
-            self._error = f"could not start the worker for {self.host}: {e}"
-            self.code = 127
-            self._started.set()
-            self._done.set()
-            return
-        self._started.set()
-        self.code = self.proc.wait()
-        shutil.rmtree(self.tmp, ignore_errors=True)
-        self._done.set()
-
-    def info(self) -> dict:
-        return {"node_id": self.node_id, "ip": self.ip, "pid": self.proc.pid if self.proc else None,
-                "log": str(self.log_path)}
-
-    def wait(self) -> int:
-        self._done.wait()
-        return self.code
-
-    def kill(self) -> int | None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()  # SIGKILL, which also ends a SIGSTOPped worker
-        return self.code
 
 
 # -- the launcher -----------------------------------------------------------------------------------
@@ -537,12 +277,11 @@ class RayLauncher:
             self._next_index = max(self._next_index, int(host[1:]) + 1)
 
     def _launch(self, host: str, region: str, spare: bool, node: Node) -> None:
-        import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         argv = ["--controller", self.controller_url, "--host", host, "--region", region,
                 "--devices", str(self.devices_per_host)] + (["--spare"] if spare else [])
-        actor = _remote_host_actor().options(
+        actor = remote_host_actor().options(
             num_cpus=0, num_gpus=self.devices_per_host if uses_gpus(node) else 0, resources={HOST_RESOURCE: 1},
             max_concurrency=4, max_restarts=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node.node_id, soft=False),
@@ -660,13 +399,3 @@ class RayLauncher:
 
 
 _TIMEOUT = object()
-_REMOTE = None
-
-
-def _remote_host_actor():
-    global _REMOTE
-    if _REMOTE is None:
-        import ray
-
-        _REMOTE = ray.remote(HostActor)
-    return _REMOTE
