@@ -306,6 +306,13 @@ class RuntimeConfig:
     # is the backstop that does not need the controller. Must be >= dead_after_seconds, so that a
     # spike the controller waits out is never declared a failure by the service.
     coordination_heartbeat_seconds: int = 30
+    # While a world trains, its rank 0 compiles in the background the step of the worlds most likely
+    # next (one host fewer, per region; one region fewer) into the persistent compile cache, so a
+    # failure's new world loads its program instead of compiling it. "auto": on for GPU workers
+    # (compiling runs on host CPUs the GPUs leave idle), off on CPU workers (there it takes cores
+    # from the training itself and makes rank 0 a straggler). Needs runtime.compile_cache on, in a
+    # directory every host sees.
+    precompile_next_worlds: Literal["auto", "on", "off"] = "auto"
     # Backstop only: a collective still blocked after this long raises even if every host is alive.
     # Failures are detected by liveness, so this is the longest spike that is waited out.
     collective_timeout_seconds: int = 120
@@ -638,6 +645,8 @@ def _coerce(value: Any, typ: Any, key: str) -> Any:
     origin = typing.get_origin(typ)
     if origin is Literal:
         choices = typing.get_args(typ)
+        if isinstance(value, bool) and ("on" if value else "off") in choices:
+            value = "on" if value else "off"  # YAML 1.1 reads a bare `on` / `off` as true / false
         if value not in choices:
             raise ConfigError(f"config key {key}: expected one of {', '.join(map(str, choices))}, got {value!r}")
         return value

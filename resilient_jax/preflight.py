@@ -54,6 +54,8 @@ def check_faults(cfg: Config, faults: list[Fault]) -> None:
     for fault in faults:
         if fault.moment == "save":
             check_save_moment(cfg, fault)
+        elif fault.moment == "precompiled":
+            check_precompiled_moment(cfg, fault)
         elif fault.moment != "step":
             pass  # a generation: how many worlds a run forms is not known up front
         elif fault.step >= steps:
@@ -65,6 +67,20 @@ def check_faults(cfg: Config, faults: list[Fault]) -> None:
         if fault.kind == "kill_region" and fault.target not in regions:
             raise ConfigError(f"fault {fault}: no region named {fault.target!r} (topology.regions: "
                               f"{', '.join(regions)})")
+
+
+def check_precompiled_moment(cfg: Config, fault: Fault) -> None:
+    from resilient_jax import compile_cache
+    from resilient_jax.elastic.precompile import wanted
+    from resilient_jax.gpu_env import detect_platform
+
+    setting = cfg.runtime.precompile_next_worlds
+    cache_on = compile_cache.cache_dir(cfg.runtime.compile_cache, cfg.run.dir) is not None
+    if not wanted(setting, detect_platform(), cache_on):
+        why = ("runtime.compile_cache is off" if not cache_on else
+               f"runtime.precompile_next_worlds is {setting!r}" + (" (off on CPU workers)" if setting == "auto" else ""))
+        raise ConfigError(f"fault {fault}: waits for the background compile of the next worlds, which this run "
+                          f"does not do ({why}), so it can never fire; set runtime.precompile_next_worlds=on")
 
 
 def check_save_moment(cfg: Config, fault: Fault) -> None:

@@ -102,11 +102,14 @@ class RunTotals:
 class Trainer:
     def __init__(self, cfg: Config, *, devices: list[jax.Device] | None = None, resume: str | None = None,
                  allow_config_change: list[str] = (), stop_at: int | None = None,
-                 verified_dataset: data_lib.Manifest | None = None, regions: dict[int, str] | None = None):
+                 verified_dataset: data_lib.Manifest | None = None, regions: dict[int, str] | None = None,
+                 hosts: int | None = None):
         """`resume`, `allow_config_change`: see resilient_jax.checkpoint.session; `stop_at`: stop (and
         checkpoint) after that many steps, as a preemption would; `verified_dataset`: see
         resolve_dataset; `regions`: each process's region (an elastic world), for the
-        region-aware reduction (`parallel.cross_region`)."""
+        region-aware reduction (`parallel.cross_region`); `hosts`: the processes of the world this
+        trainer is for (default: this one's; another for a trainer that only compiles the step of
+        a world to come, see precompile_abstract)."""
         self.cfg = cfg
         self.resume = resume
         self.allow_config_change = list(allow_config_change)
@@ -116,7 +119,7 @@ class Trainer:
         # Slots for an uneven assignment wherever shards could move between hosts (see assignment.py),
         # whatever the policy: `uniform` then runs the same program, so a run that switches policy,
         # and the worlds of runs with either, share compiled programs.
-        hosts = jax.process_count()
+        hosts = jax.process_count() if hosts is None else hosts
         self.assignment = assignment_lib.effective_policy(cfg.runtime.assignment, cfg.parallel.reduction, hosts)
         self.plan = step_lib.make_shard_plan(
             cfg.data.global_batch, cfg.parallel.virtual_shards, mesh_lib.grid_size(self.mesh),
@@ -313,6 +316,11 @@ class Trainer:
         grads = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state.params)
         self.compute.lower(state.params, tokens, weights, np.int32(0)).compile()
         self.apply.lower(state, grads, np.int32(0)).compile()
+
+    def precompile_abstract(self) -> None:
+        """`precompile` from the state's shapes and shardings alone: for a world that does not exist
+        yet (its cache entries are what matter), nothing is allocated."""
+        self.precompile(state_lib.abstract_state(self.model_def, self.tx, self.mesh))
 
     def checkpoints(self, *, generation: int = 0, regions: dict[int, str] | None = None,
                     interruptible: bool = False) -> CheckpointSession:

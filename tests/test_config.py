@@ -277,3 +277,12 @@ def test_a_coordination_heartbeat_below_the_liveness_verdict_is_refused_naming_b
     assert "at least 7" in message and "\n" not in message
     cfg = load_config(TINY, ["runtime.dead_after_seconds=6.5", "runtime.coordination_heartbeat_seconds=7"])
     assert cfg.runtime.coordination_heartbeat_seconds == 7
+
+
+@pytest.mark.parametrize("override, key, expected", [
+    ("runtime.precompile_next_worlds=on", "precompile_next_worlds", "on"),
+    ("runtime.precompile_next_worlds=off", "precompile_next_worlds", "off"),
+    ("runtime.tls=off", "tls", "off"),
+])
+def test_a_bare_on_or_off_is_the_choice_not_a_yaml_boolean(override, key, expected):
+    assert getattr(load_config(TINY, [override]).runtime, key) == expected

@@ -102,6 +102,26 @@ def test_a_death_while_a_checkpoint_is_written_is_absorbed_and_later_checkpoints
         assert verify.returncode == 0, verify.stdout + verify.stderr
 
 
+def test_the_world_after_a_death_loads_its_step_that_rank_0_compiled_in_the_background(tmp_path, reference):
+    # Every host enters each step 1 s late (all alike: no straggler), so the background compile
+    # finishes while generation 0 trains; h1 dies in the first step after it has. min_hosts=3
+    # leaves two likely next worlds: a host lost from us, or from eu.
+    delays = [a for h in range(4) for a in ("--fault", f"delay_host:{h}@1-{STEPS - 1}:1")]
+    # A cache of its own: no other test's world of this shape can be what generation 1 loads.
+    summary = elastic_run(tmp_path, CPU4, "--set", "runtime.precompile_next_worlds=on", "--set", "runtime.min_hosts=3",
+                          "--set", f"runtime.compile_cache={tmp_path / 'cache'}",
+                          "--fault", "kill_host:1@precompiled:0", *delays)
+    assert_absorbed(summary, reference, lost=["h1"])
+    (done, *_) = [p for p in summary["precompiled"] if p["generation"] == 0]
+    assert [w["regions"] for w in done["worlds"]] == [["us", "eu", "eu"], ["us", "us", "eu"]] and not done["stopped"]
+    # Generation 1 is (h0, h2, h3) = (us, eu, eu): every survivor loaded its step from the cache.
+    for host in ("h0", "h2", "h3"):
+        journal = [json.loads(line) for line in (tmp_path / "elastic" / "lifecycle" / f"{host}.jsonl").open()]
+        compiled = [line["reason"] for line in journal if line["event"] == "compiled"]
+        assert len(compiled) == 2 and "programs compiled (not in the cache)" in compiled[0], (host, compiled)
+        assert compiled[1].endswith("2 programs from the compile cache"), (host, compiled)
+
+
 def test_a_hung_host_is_detected_and_removed(tmp_path, reference):
     summary = elastic_run(tmp_path, CPU4, "--fault", "hang_host:2@20")
     assert_absorbed(summary, reference, lost=["h2"])

@@ -146,7 +146,7 @@ def test_a_stall_with_every_member_alive_is_waited_out_and_a_dead_member_aborts_
             client.call("/register", host=host, region="us", devices=2, config_hash="a" * 64)
         reply = _heartbeat(client, "h0", step=9, stalled_seconds=4.5, deadline_seconds=2.0,
                            timings=[[9, 0.01, 0.2, 0.0]])
-        assert reply == {"reform_signal": 0, "abort": False, "stop": None}  # backpressure: keep waiting
+        assert reply == {"reform_signal": 0, "abort": False, "stop": None, "precompiled": -1}  # backpressure: keep waiting
         _heartbeat(client, "h0", step=10, timings=[[10, 0.0, 4.6, 0.0]])  # ... and the step completes
         (stall,) = ctl.elastic_report()["stalls"]
         assert stall["step"] == 10 and stall["deadline_seconds"] == 2.0 and "all 2 members alive" in stall["response"]

@@ -11,7 +11,7 @@ from resilient_jax.faults import parse_fault
 def test_every_kind_parses_and_prints_back():
     for spec in ["nan_shard:3@20", "kill_host:1@20", "kill_region:eu-west@5", "hang_host:0@7", "join_host@9",
                  "delay_host:2@15-17:8", "slow_host:1@12:4.5", "kill_host:1@formation:2", "kill_host:0@adopt:1",
-                 "kill_host:3@save:20"]:
+                 "kill_host:3@save:20", "kill_host:1@precompiled:0"]:
         assert str(parse_fault(spec)) == spec
 
 
@@ -42,3 +42,42 @@ def test_a_moment_is_kept_apart_from_the_step_it_counts():
     formation = parse_fault("kill_host:2@formation:1")
     assert (formation.kind, formation.target, formation.moment, formation.step) == ("kill_host", "2", "formation", 1)
     assert parse_fault("kill_host:2@1").moment == "step"
+
+
+def test_a_kill_waiting_for_the_precompile_fires_in_the_first_step_after_it_and_only_once(monkeypatch):
+    from resilient_jax.elastic import injection
+
+    fired = []
+    monkeypatch.setattr(injection.threading, "Timer", lambda delay, fn, args: type(
+        "T", (), {"start": lambda self: fired.append(args)})())
+
+    class Client:
+        def __init__(self):
+            self.calls = []
+
+        def call(self, path, **kw):
+            self.calls.append((path, kw["kind"], kw["step"]))
+
+    client = Client()
+    faults = injection.HostFaults([parse_fault("kill_host:1@precompiled:2")], 1, "us", client, "h1")
+    for step, precompiled in [(5, -1), (6, 1), (7, 2), (8, 3)]:
+        faults.before_step(step, clock=None, precompiled=precompiled)
+    assert client.calls == [("/fault", "kill_host", 7)] and len(fired) == 1
+
+
+def test_a_kill_waiting_for_a_precompile_the_run_never_does_is_refused_before_it_starts(tmp_path, monkeypatch):
+    from resilient_jax.config import load_config
+    from resilient_jax.preflight import check_faults
+
+    from conftest import REPO
+
+    cfg = load_config(REPO / "configs" / "cpu-4host.yaml", [f"run.dir={tmp_path}"])
+    fault = parse_fault("kill_host:1@precompiled:0")
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")  # the workers' platform, as the driver detects it
+    with pytest.raises(ConfigError, match="can never fire; set runtime.precompile_next_worlds=on"):
+        check_faults(cfg, [fault])  # auto: off on CPU workers (this machine's)
+    with pytest.raises(ConfigError, match="runtime.compile_cache is off"):
+        check_faults(load_config(REPO / "configs" / "cpu-4host.yaml", [f"run.dir={tmp_path}", "runtime.compile_cache=off",
+                                                                        "runtime.precompile_next_worlds=on"]), [fault])
+    check_faults(load_config(REPO / "configs" / "cpu-4host.yaml", [f"run.dir={tmp_path}",
+                                                                    "runtime.precompile_next_worlds=on"]), [fault])

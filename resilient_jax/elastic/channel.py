@@ -34,6 +34,7 @@ ROUTES = {
     ("POST", "/reform"): "reform",
     ("POST", "/fault"): "fault",
     ("POST", "/progress"): "progress",
+    ("POST", "/precompiled"): "precompiled",
     ("POST", "/resumed"): "resumed",
     ("POST", "/failed"): "failed",
     ("POST", "/done"): "done",

@@ -9,6 +9,8 @@ Workers talk to it over a small JSON-over-HTTP API (stdlib `http.server`, see `c
     POST /reform    {host, generation, completed_step, data_position, reason} -> the next world
     POST /fault     {host, kind, step}                       (an injector announces a fault it fires)
     POST /progress  {host, generation, step}                 (first step done in a new generation)
+    POST /precompiled {host, generation, worlds, stopped, seconds, error}  (rank 0 compiled the likely
+                                                             next worlds ahead: elastic/precompile)
     POST /resumed   {host, generation, step, checkpoint, config_changes}  (a world restored from disk)
     POST /failed    {host, error, bad_input}                 (a worker's uncaught error, before it exits)
     POST /done      {host, summary}
@@ -197,6 +199,7 @@ class Controller:
         self.straggler_factor, self.straggler_window = straggler_factor, straggler_window
         self.assignment = assignment
         self.reassignments: list[dict] = []  # the workers' shard re-plans, with their numbers
+        self.precompiles: list[dict] = []  # each generation's background compile of its likely next worlds
         self._status_written = 0.0
         self.on_dead = on_dead or (lambda host: None)
         self.console = console or (lambda text: None)
@@ -288,7 +291,8 @@ class Controller:
                 self._write_status()
                 if self._history_begun:
                     self.history.save()
-            return {"reform_signal": self._reform_signal(), "abort": abort, "stop": self.stop_reason}
+            return {"reform_signal": self._reform_signal(), "abort": abort, "stop": self.stop_reason,
+                    "precompiled": max((p["generation"] for p in self.precompiles if not p["stopped"]), default=-1)}
 
     def wait_world(self, host: str, after: int, timeout: float = 20.0) -> dict:
         deadline = time.monotonic() + timeout
@@ -328,6 +332,16 @@ class Controller:
             if self.pending_fault_at is None and kind in ("kill_host", "hang_host", "kill_region"):
                 self.pending_fault_at = time.monotonic()
             log.info("fault announced by %s: %s at step %d", host, kind, step)
+        return {}
+
+    def precompiled(self, host: str, generation: int, worlds: list, stopped: bool, seconds: float,
+                    error: str | None = None) -> dict:
+        """Rank 0 of `generation` compiled the steps of the likely next worlds into the cache."""
+        with self._lock:
+            self.precompiles.append({"host": host, "generation": generation, "worlds": worlds, "stopped": stopped,
+                                     "seconds": seconds, "error": error})
+            log.info("generation %d: %s precompiled %d next worlds in %.1f s%s", generation, host, len(worlds),
+                     seconds, " (stopped: the world was left)" if stopped else "")
         return {}
 
     def reassign(self, host: str, generation: int, event: dict) -> dict:
@@ -493,6 +507,7 @@ class Controller:
                 "straggler_decisions": self.decisions,
                 "straggler_window": self.straggler_window,
                 "assignment": {"policy": self.assignment, "decisions": list(self.reassignments)},
+                "precompiled": list(self.precompiles),
                 "injected": [{k: v for k, v in a.items() if k != "at"} for a in self.announced],
                 "restarts": self.restarts,
                 "generations": (self.world.generation + 1) if self.world else 0,

@@ -1,7 +1,8 @@
 """Injected host faults (resilient_jax.faults), fired by the worker process on itself.
 
 Test and drill machinery, kept apart from the worker's logic: the worker calls one hook at each
-point where a fault may land -- before a step (`before_step`), once it has joined a world
+point where a fault may land -- before a step (`before_step`, which also fires a kill waiting
+for the background compile of the next worlds), once it has joined a world
 (`joined`), as a world moves state to its members (`adopting`), and after a checkpoint save has
 started (`saving`) -- and this class decides whether a fault of this host fires there. A fault is
 announced to the controller first (its timings count from that moment), then fired: kills and
@@ -24,16 +25,21 @@ class HostFaults:
         mine = [f for f in faults if (f.kind in ("kill_host", "hang_host") and int(f.target) == host_index)
                 or (f.kind == "kill_region" and f.target == region)]
         self.pending = [f for f in mine if f.moment == "step"]
-        self.at_moment = [f for f in mine if f.moment != "step"]
+        self.after_precompile = [f for f in mine if f.moment == "precompiled"]
+        self.at_moment = [f for f in mine if f.moment not in ("step", "precompiled")]
         self.delays = [f for f in faults if f.kind in ("delay_host", "slow_host") and int(f.target) == host_index]
         self.announced: set = set()
         self.baseline: dict = {}  # slow_host: this host's own step time just before the slowdown
         self.client, self.host = client, host
 
-    def before_step(self, step: int, clock, share: float = 1.0) -> None:
-        """Delays of `step`, then its kills and hangs, armed to land inside the step."""
+    def before_step(self, step: int, clock, share: float = 1.0, precompiled: int = -1) -> None:
+        """Delays of `step`, then its kills and hangs, armed to land inside the step. `precompiled`:
+        the newest generation whose rank 0 has compiled its likely next worlds ahead (-1: none)."""
         self.delay(step, clock, share)
         self.arm(step)
+        for fault in [f for f in self.after_precompile if f.step <= precompiled]:
+            self.after_precompile.remove(fault)
+            self._fire_in_step(fault, step)
 
     def delay(self, step: int, clock, share: float = 1.0) -> None:
         """Hold this host back before `step` (its heartbeats go on: it is slow, not dead).
@@ -57,9 +63,12 @@ class HostFaults:
     def arm(self, step: int) -> None:
         for fault in [f for f in self.pending if f.step == step]:
             self.pending.remove(fault)
-            self.client.call("/fault", retry_seconds=2, host=self.host, kind=fault.kind, step=step)
-            sig = signal.SIGSTOP if fault.kind == "hang_host" else signal.SIGKILL
-            threading.Timer(0.01, os.kill, args=(os.getpid(), sig)).start()
+            self._fire_in_step(fault, step)
+
+    def _fire_in_step(self, fault, step: int) -> None:
+        self.client.call("/fault", retry_seconds=2, host=self.host, kind=fault.kind, step=step)
+        sig = signal.SIGSTOP if fault.kind == "hang_host" else signal.SIGKILL
+        threading.Timer(0.01, os.kill, args=(os.getpid(), sig)).start()
 
     def joined(self, generation: int, step: int) -> None:
         """This host has joined world `generation`, which has not run a step yet (`step`: steps completed)."""

@@ -101,6 +101,7 @@ class Heartbeat(threading.Thread):
         self.client, self.host, self.interval, self.clock = client, host, interval, clock
         self.generation, self.step, self.step_seconds = -1, 0, 0.0  # step: steps completed
         self.reform_signal = 0
+        self.precompiled = -1  # the newest generation whose next worlds rank 0 compiled ahead (controller's word)
         self.stop_reason: str | None = None  # the controller asks every member to stop (Ctrl-C, SIGTERM)
         self.on_abort = lambda generation: None
         self._timings: list[list] = []  # [step, ready s, step s, wall time, shards held] not yet reported
@@ -155,6 +156,7 @@ class Heartbeat(threading.Thread):
                 continue
             self.reform_signal = int(reply.get("reform_signal", 0))
             self.stop_reason = reply.get("stop") or self.stop_reason
+            self.precompiled = int(reply.get("precompiled", -1))
             if reply.get("abort"):
                 try:
                     self.on_abort(generation)
@@ -267,8 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     from resilient_jax import compile_cache
 
     # Before the first compile: later worlds of a size seen before load their step from disk.
-    if warning := compile_cache.enable(cfg.runtime.compile_cache, cfg.run.dir).warning:
-        log.warning("%s", warning)
+    cache = compile_cache.enable(cfg.runtime.compile_cache, cfg.run.dir)
+    if cache.warning:
+        log.warning("%s", cache.warning)
     from resilient_jax.elastic.channel import ControllerClient, ControllerError
 
     from resilient_jax.elastic.tls import CA_ENV
@@ -288,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     clock = StallClock(cfg.runtime.stall_floor_seconds, cfg.runtime.stall_multiple)
     heartbeat = Heartbeat(client, args.host, cfg.runtime.heartbeat_seconds, clock)
     heartbeat.start()  # right after registering: the imports below can take seconds on a busy host
-    worker = Worker(cfg, args.host, args.region, client, heartbeat, options=registered.get("options") or {})
+    worker = Worker(cfg, args.host, args.region, client, heartbeat, options=registered.get("options") or {},
+                    cache_on=cache.path is not None)
     heartbeat.on_abort = worker.abort
     try:
         return worker.run()
@@ -320,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 class Worker:
-    def __init__(self, cfg, host: str, region: str, client, heartbeat: Heartbeat, options: dict | None = None):
+    def __init__(self, cfg, host: str, region: str, client, heartbeat: Heartbeat, options: dict | None = None,
+                 cache_on: bool = False):
         """`options`: this invocation's resume / allow_config_change / stop_at (from the controller)."""
         from resilient_jax import faults as faults_lib
         from resilient_jax.elastic.injection import HostFaults
@@ -333,6 +338,8 @@ class Worker:
 
         self.kept = HostState()
         self.life = Lifecycle(host, journal=lifecycle_journal(cfg.run.dir, host))
+        self.cache_on = cache_on  # the persistent compile cache is in use (precompiles need it)
+        self.precompiler = None  # rank 0's background compile of the likely next worlds, while it trains
         self.verified_dataset = None  # the dataset's Manifest once this process has hashed its shards
         self.generation = -1
         self.coordinator_port: int | None = None  # set while this process is in a JAX world
@@ -468,6 +475,8 @@ class Worker:
             self._leave(ckpt)
             return
         self.life.fire(Event.COMPILED, f"{compiled.seconds:.2f} s, {compiled.describe()}")
+        if rank == 0:
+            self._start_precompile(world, members)
         metrics = self._metrics(trainer, start)
         metrics.event({"event": "compile", "step": start, "generation": self.generation, **compiled.to_event(),
                        "reduction_order": trainer.reduction_order()})
@@ -519,10 +528,46 @@ class Worker:
         self.client.call("/resumed", retry_seconds=5, host=self.host, generation=self.generation, step=resumed.step,
                          checkpoint=str(resumed.path), config_changes=resumed.decision.config_changes)
 
+    def _start_precompile(self, world: dict, members: list[str]) -> None:
+        import jax
+
+        from resilient_jax.elastic import precompile
+
+        if not precompile.wanted(self.cfg.runtime.precompile_next_worlds, jax.devices()[0].platform, self.cache_on):
+            return
+        if len({world["devices_per_host"][h] for h in members}) > 1:
+            log.info("generation %d: hosts with different device counts; the next worlds are not compiled ahead",
+                     self.generation)
+            return
+        generation = self.generation
+
+        def report(result: dict) -> None:
+            self.client.call("/precompiled", retry_seconds=2, host=self.host, **result)
+
+        self.precompiler = precompile.Precompiler(
+            self.cfg, generation=generation, regions_by_rank=[world["regions"][h] for h in members],
+            devices=jax.devices(), verified_dataset=self.verified_dataset, on_done=report)
+        self.precompiler.start()
+
     def _leave(self, ckpt) -> None:
         from resilient_jax.elastic import world as world_lib
 
+        if self.precompiler is not None:  # the backend must not be cleared under a compile
+            waited = self.precompiler.stop()
+            self.precompiler = None
+            if waited > 0.5:
+                log.info("waited %.2f s for the background compile in flight before leaving the world", waited)
         with self._world_lock:  # no abort may land on the next world's connections
+            if self.coordinator_port is not None and self.life.state is State.LEAVING \
+                    and self.life.leave_reason == "failure":
+                # A failed world: abort what is left of its collectives ourselves (the controller's
+                # verdict only reaches hosts still in it). A gloo operation still queued on a live
+                # peer would otherwise run out its collective timeout inside the old backend's
+                # destructor -- which runs, holding the GIL, wherever the old arrays are collected:
+                # measured, the next world's compile on one survivor took 120 s (the timeout) instead of 3.
+                n = world_lib.abort_collectives({self.coordinator_port, self.client.port})
+                log.info("left a failed world: shut down this host's %d collective connections of generation %d",
+                         n, self.generation)
             self.coordinator_port = None
         world_lib.leave(before_reset=None if ckpt is None else ckpt.close)
 
@@ -549,7 +594,7 @@ class Worker:
                 if self.stop_at is not None and step >= self.stop_at:  # the same step on every member
                     return self._finish(trainer, loop, ckpt, state, step, stopped="stop_at")
                 ready_from = time.perf_counter()
-                self.faults.before_step(step, clock, shares.share())
+                self.faults.before_step(step, clock, shares.share(), precompiled=self.heartbeat.precompiled)
                 waited = loop.loader.wait_seconds
                 t0 = clock.started_at = time.perf_counter()
                 state = loop.step(state, step)
