@@ -8,7 +8,13 @@ E steps. After the kill the whole job is relaunched, restores the last checkpoin
 and redoes the lost steps; we time relaunch -> step K completed again (detection not counted, in the
 baseline's favour).
 
+With --precompile the elastic run compiles its likely next worlds in the background
+(runtime.precompile_next_worlds=on) and host 1 dies in the first step after that compile is done
+(`kill_host:1@precompiled:0`); the baseline is then killed at the same step. Use enough --steps for
+the background compile to finish first (it competes for this machine's cores).
+
     python scripts/bench_recovery.py [--kill-step 45] [--every 20] [--steps 60]
+    python scripts/bench_recovery.py --precompile --steps 300
 """
 
 from __future__ import annotations
@@ -33,12 +39,17 @@ def main() -> None:
     parser.add_argument("--kill-step", type=int, default=45)
     parser.add_argument("--every", type=int, default=20, help="baseline checkpoint interval (steps)")
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--precompile", action="store_true",
+                        help="compile the likely next worlds in the background; kill once that is done")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-recovery-"))
     elastic = run_elastic(work / "elastic", args)
+    if args.precompile:
+        args.kill_step = elastic["killed_in_step"]
     baseline = run_baseline(work / "baseline", args)
     report = {
         "kill_step": args.kill_step,
+        "precompile": args.precompile,
         "elastic": elastic,
         "baseline": baseline,
         "ratio_recovery_elastic_vs_baseline": elastic["recovery_seconds"] / baseline["recovery_seconds"],
@@ -50,14 +61,26 @@ def main() -> None:
 
 def run_elastic(run_dir: Path, args) -> dict:
     cmd = [sys.executable, "-m", "resilient_jax.train", "--config", str(CPU4), "--set", f"run.dir={run_dir}",
-           "--set", f"train.steps={args.steps}", "--set", "checkpoint.enabled=false",
-           "--fault", f"kill_host:1@{args.kill_step}"]
+           "--set", f"train.steps={args.steps}", "--set", "checkpoint.enabled=false"]
+    if args.precompile:
+        cmd += ["--set", "runtime.precompile_next_worlds=on", "--fault", "kill_host:1@precompiled:0"]
+    else:
+        cmd += ["--fault", f"kill_host:1@{args.kill_step}"]
     subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     summary = json.loads((run_dir / "summary.json").read_text())
-    (event,) = summary["events"]
+    events = [e for e in summary["events"] if e["reason"] == "failure"]
+    if not events:
+        raise SystemExit("the elastic run ended before its fault fired (with --precompile: raise --steps so the "
+                         "background compile finishes first)")
+    (event,) = events
+    compiles = [json.loads(line) for line in (run_dir / "metrics.jsonl").open() if '"compile"' in line]
+    after = [c for c in compiles if c.get("event") == "compile" and c.get("generation") == event["generation"]]
     return {"detection_seconds": event["detection_seconds"], "reformation_seconds": event["reformation_seconds"],
             "recovery_seconds": event["recovery_seconds"], "steps_lost": summary["steps_lost"],
-            "restarts": summary["restarts"], "fingerprint": summary["params_fingerprint"][:16]}
+            "restarts": summary["restarts"], "fingerprint": summary["params_fingerprint"][:16],
+            "killed_in_step": event["resume_step"] + 1,
+            "new_world_compile": {k: after[0][k] for k in ("seconds", "cache_hit")} if after else None,
+            "precompiled": summary.get("precompiled")}
 
 
 def _static_job(run_dir: Path, stop_at: int, every: int, steps: int) -> float:
