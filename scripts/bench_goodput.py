@@ -1,6 +1,9 @@
 """Goodput under faults: a run with three injected faults vs the fault-free run, side by side.
 
-    python scripts/bench_goodput.py [--steps 300] [--config configs/cpu-4host.yaml]
+    python scripts/bench_goodput.py [--steps 300] [--config configs/cpu-4host.yaml] [--set KEY=VALUE ...]
+
+`--set` applies to both runs, e.g. `--set runtime.precompile_next_worlds=on` (rank 0 compiles the
+likely next worlds while it trains; on this CPU machine that takes cores from the training).
 
 Both runs train the same steps of the same config on this machine, one after the other. The useful
 work is the fault-free run's training time (first step start -> last step end, from the
@@ -24,9 +27,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def train(config: str, steps: int, run_dir: Path, faults: list[str]) -> dict:
+def train(config: str, steps: int, run_dir: Path, faults: list[str], sets: list[str]) -> dict:
     cmd = [sys.executable, "-m", "resilient_jax.train", "--config", config, "--set", f"run.dir={run_dir}",
            "--set", f"train.steps={steps}", "--set", "checkpoint.enabled=false"]
+    for item in sets:
+        cmd += ["--set", item]
     for fault in faults:
         cmd += ["--fault", fault]
     subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -51,13 +56,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--config", default="configs/cpu-4host.yaml")
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for both runs (repeatable)")
     args = parser.parse_args()
     q = args.steps // 4
     faults = [f"kill_host:1@{q}", f"delay_host:3@{2 * q}-{2 * q}:5", f"hang_host:2@{3 * q}"]
     work = Path(tempfile.mkdtemp(prefix="bench-goodput-"))
     try:
-        clean = train(args.config, args.steps, work / "fault-free", [])
-        faulted = train(args.config, args.steps, work / "faulted", faults)
+        clean = train(args.config, args.steps, work / "fault-free", [], args.sets)
+        faulted = train(args.config, args.steps, work / "faulted", faults, args.sets)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     # On a machine where fewer processes share the cores, the survivors' steps get faster and hide part
@@ -66,7 +73,7 @@ def main() -> None:
     direct = (sum(e["recovery_seconds"] or 0 for e in faulted["events"])
               + sum(st["waited_seconds"] for st in faulted["stalls"] if st["late_host"]))
     report = {
-        "config": args.config, "steps": args.steps, "faults": faults,
+        "config": args.config, "steps": args.steps, "faults": faults, "overrides": args.sets,
         "fault_free": clean, "faulted": faulted,
         "goodput": round(clean["training_seconds"] / faulted["training_seconds"], 3),
         "fault_seconds_direct": round(direct, 2),
