@@ -57,7 +57,9 @@ def logged_steps(run_dir: Path) -> list[int]:
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return []
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    # Only whole lines: the run may be writing the last one while we read (seen in CI).
+    text = path.read_text()
+    records = [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines() if line.strip()]
     return [r["step"] for r in records if "loss" in r]
 
 
