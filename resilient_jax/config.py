@@ -137,6 +137,25 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
+class EvalConfig:
+    """Held-out evaluation (resilient_jax.evaluation): the weighted mean loss over fixed batches and
+    its exp (the perplexity), on the training mesh, with the same bits whatever the layout, the
+    host count or the faults absorbed."""
+
+    # Evaluate after every N completed steps, and after the last one; 0 = never.
+    every_steps: int = 0
+    # Held-out data, either the last N shards of the training dataset (left out of training from
+    # step 0, changing its sample order) ...
+    holdout_shards: int = 0
+    # ... or a dataset directory of its own, prepared with the training data's tokenizer and seq_len
+    # (relative paths are against the current directory).
+    dataset: str = ""
+    # Global batches (data.global_batch sequences each, the held-out samples in id order) per
+    # evaluation; 0 = every full batch the held-out data holds.
+    batches: int = 10
+
+
+@dataclass(frozen=True)
 class OptimizerConfig:
     """An optax optimizer, a warmup + decay schedule to lr * min_lr_ratio, and global-norm clipping.
 
@@ -353,6 +372,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -442,6 +462,9 @@ RANGES: dict[str, Bound] = {
     "data.prefetch": _at_least(1),
     "data.quarantine[].shard": _at_least(0),
     "data.quarantine[].from_step": _at_least(0),
+    "eval.every_steps": _at_least(0),
+    "eval.holdout_shards": _at_least(0),
+    "eval.batches": _at_least(0),
     "optimizer.lr": _positive(),
     "optimizer.min_lr_ratio": Bound(lo=0, hi=1),
     "optimizer.warmup_steps": _at_least(0),
@@ -489,7 +512,8 @@ RANGES: dict[str, Bound] = {
 # Text keys whose value "off" YAML would otherwise turn into false.
 OFF_SWITCH_KEYS = ("runtime.compile_cache",)
 
-PATH_KEYS = ("run.dir", "checkpoint.dir", "data.dataset", "data.src", "runtime.compile_cache", "task.import_dir")
+PATH_KEYS = ("run.dir", "checkpoint.dir", "data.dataset", "data.src", "eval.dataset", "runtime.compile_cache",
+             "task.import_dir")
 
 
 def config_hash(cfg: Config) -> str:
@@ -531,6 +555,7 @@ def resolve_paths(cfg: Config) -> Config:
         run=dataclasses.replace(cfg.run, dir=fix(cfg.run.dir)),
         checkpoint=dataclasses.replace(cfg.checkpoint, dir=fix(cfg.checkpoint.dir)),
         data=dataclasses.replace(cfg.data, dataset=fix(cfg.data.dataset), src=fix(cfg.data.src)),
+        eval=dataclasses.replace(cfg.eval, dataset=fix(cfg.eval.dataset)),
         runtime=dataclasses.replace(cfg.runtime, compile_cache=fix(cfg.runtime.compile_cache, ("", "auto", "off"))),
         task=dataclasses.replace(cfg.task, import_dir=fix(cfg.task.import_dir, ("",))),
     )
@@ -549,7 +574,21 @@ def from_dict(raw: dict[str, Any]) -> Config:
             f"below runtime.dead_after_seconds ({cfg.runtime.dead_after_seconds:g}): the coordination service "
             f"would declare a slow host dead before the controller's liveness verdict; set it to at least "
             f"{math.ceil(cfg.runtime.dead_after_seconds)}")
+    check_eval(cfg.eval)
     return cfg
+
+
+def check_eval(ev: EvalConfig) -> None:
+    """Evaluation needs exactly one source of held-out data, and a source is only for evaluation."""
+    if ev.holdout_shards and ev.dataset:
+        raise ConfigError("config key eval.dataset: set either eval.holdout_shards or eval.dataset, not both")
+    if ev.every_steps and not (ev.holdout_shards or ev.dataset):
+        raise ConfigError("config key eval.every_steps: evaluation needs held-out data; set eval.holdout_shards "
+                          "(the last N shards of the training dataset) or eval.dataset (a prepared dataset)")
+    if not ev.every_steps and (ev.holdout_shards or ev.dataset):
+        key = "eval.holdout_shards" if ev.holdout_shards else "eval.dataset"
+        raise ConfigError(f"config key {key}: eval.every_steps is 0, so nothing is evaluated; set "
+                          "eval.every_steps to evaluate, or leave the eval section out")
 
 
 def diff_keys(a: Config | dict, b: Config | dict) -> list[str]:

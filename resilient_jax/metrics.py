@@ -20,6 +20,7 @@ shares a line with the bar; events are printed as sentences and kept as JSON in 
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -56,6 +57,25 @@ def rewind_metrics(path: Path, step: int) -> int:
     tmp.write_text("".join(line + "\n" for line in kept))
     tmp.replace(path)
     return dropped
+
+
+def logged_evals(path: Path) -> dict[int, float]:
+    """{step: loss} of the eval events in metrics.jsonl."""
+    if not path.is_file():
+        return {}
+    out = {}
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if record.get("event") == "eval" and isinstance(record.get("step"), int):
+            out[record["step"]] = record.get("loss")
+    return out
+
+
+def _same_float(a: Any, b: Any) -> bool:
+    return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
 
 
 @dataclass
@@ -120,6 +140,10 @@ def describe(record: dict[str, Any]) -> str:
     if kind == "quarantine":
         return (f"step {step}: data shard {record.get('shard')} gave non-finite values "
                 f"({len(record.get('samples', []))} samples); quarantined, the step is re-read without it")
+    if kind == "eval":
+        return (f"eval at step {step}: loss {record.get('loss', float('nan')):.4f}, perplexity "
+                f"{_num(record.get('perplexity'))} ({_num(record.get('tokens'))} tokens in {record.get('batches')} "
+                f"batches, {record.get('seconds', 0.0):.1f} s)")
     if kind == "compile":
         cached = " (from the compile cache)" if record.get("cache_hit") else ""
         return f"compiled the train step in {record.get('seconds', 0.0):.1f} s{cached}"
@@ -141,10 +165,12 @@ class MetricsLog:
         self._use_bar = False
         self._start_step = start_step
         self._plain = False
+        self._evals: dict[int, float] = {}  # step -> eval loss already in metrics.jsonl
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
         self.dropped = rewind_metrics(run_dir / METRICS_FILE, start_step)
+        self._evals = logged_evals(run_dir / METRICS_FILE)
         self._jsonl = open(run_dir / METRICS_FILE, "a", buffering=1)
         # tensorboardX names files by the second they were opened: the suffix keeps two writers
         # opened within one second (a quick resume) from overwriting each other, in opening order.
@@ -165,6 +191,24 @@ class MetricsLog:
             return
         self._jsonl.write(json.dumps({**record, "time": time.time()}, sort_keys=True) + "\n")
         self.console(describe(record))
+
+    def eval(self, record: dict[str, Any]) -> None:
+        """An evaluation: an event, plus eval/* scalars in TensorBoard. A step evaluated again (a
+        resume at an eval step) is written once; a second value that differs says so -- the eval
+        loss is a function of the params, so it never should."""
+        if not self.enabled:
+            return
+        step, loss = record["step"], record["loss"]
+        if step in self._evals:
+            if not _same_float(self._evals[step], loss):
+                self.console(f"warning: eval at step {step} gave loss {loss!r} this time, {self._evals[step]!r} "
+                             "before; the first is kept in metrics.jsonl")
+            return
+        self._evals[step] = loss
+        self.event(record)
+        for name in ("loss", "perplexity"):
+            self._tb.add_scalar(f"eval/{name}", record[name], step)
+        self._tb.flush()
 
     def log(self, step: int, values: dict[str, float | None]) -> None:
         """Step `step`'s metrics (None: not known here, e.g. MFU on a CPU); adds a wall-clock time."""

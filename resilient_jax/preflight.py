@@ -7,6 +7,8 @@ before anything is written, so a run that cannot work fails at once with one lin
   a data shard id the dataset does not have, a region the topology does not have;
 - data: a named dataset directory without a dataset (unless data.build_if_missing), quarantined
   shard ids the dataset does not have;
+- evaluation: more shards held out than the dataset can spare, a NaN fault on a held-out shard, an
+  eval.dataset that is missing or speaks other tokens, eval.batches the held-out data cannot fill;
 - outputs: run.dir / checkpoint.dir that is a file, or that cannot be written.
 
 Single-key ranges are checked earlier, when the config loads (config.RANGES).
@@ -36,9 +38,31 @@ def check_run(cfg: Config) -> None:
         if q.shard >= shards:
             raise ConfigError(f"config key data.quarantine[{i}].shard: the dataset has {shards} shards "
                               f"(0..{shards - 1}), got {q.shard}")
+    check_eval(cfg, faults, shards)
     check_output_dir("run.dir", cfg.run.dir)
     if cfg.checkpoint.dir:
         check_output_dir("checkpoint.dir", cfg.checkpoint.dir)
+
+
+def check_eval(cfg: Config, faults: list[Fault], shards: int) -> None:
+    from resilient_jax.data.evalset import build_eval_set, holdout_shard_ids, open_eval_dataset
+    from resilient_jax.data.location import check_buildable
+    from resilient_jax.data.manifest import MANIFEST_NAME, load_manifest
+
+    if not cfg.eval.every_steps:
+        return
+    if cfg.eval.holdout_shards:
+        held = holdout_shard_ids(shards, cfg.eval.holdout_shards)
+        for fault in faults:
+            if fault.kind == "nan_shard" and int(fault.target) in held:
+                raise ConfigError(f"fault {fault}: shard {fault.target} is held out for evaluation "
+                                  f"(eval.holdout_shards {cfg.eval.holdout_shards}: shards {held[0]}..{held[-1]}), "
+                                  "so training never reads it")
+    else:
+        open_eval_dataset(cfg.eval.dataset, verify=False)
+    train = check_buildable(cfg.data)
+    if (train / MANIFEST_NAME).is_file():  # else it is built at start; the trainer checks then
+        build_eval_set(cfg.eval, load_manifest(train), cfg.data.global_batch, verify=False)
 
 
 def check_plugins(cfg: Config) -> None:

@@ -163,23 +163,15 @@ def make_compute(
     unless it is the deterministic default (see resilient_jax.rng and resilient_jax.losses).
     `regions`: sum over data in that region-aware order (resilient_jax.hierarchy) instead of flat.
     """
-    if plan.devices != mesh_lib.grid_size(mesh):
-        raise ValueError(f"the shard plan is for {plan.devices} devices, the mesh's data x fsdp grid has "
-                         f"{mesh_lib.grid_size(mesh)}")
-    mesh_lib.check_model_layout(model_def.cfg, dict(mesh.shape))
+    grid = _GridSpecs.of(model_def, mesh, plan)
     if regions is not None and len(regions.regions) != mesh.shape[mesh_lib.DATA_AXIS]:
         raise ValueError(f"the region groups are for {len(regions.regions)} data indices, the mesh has "
                          f"{mesh.shape[mesh_lib.DATA_AXIS]}")
-    data, fsdp, tensor = mesh_lib.DATA_AXIS, mesh_lib.FSDP_AXIS, mesh_lib.TENSOR_AXIS
-    manual = {data, fsdp} | ({tensor} if mesh.shape[tensor] == 1 else set())
+    data, fsdp = mesh_lib.DATA_AXIS, mesh_lib.FSDP_AXIS
+    manual_specs, fsdp_dims = grid.manual_specs, grid.fsdp_dims
     use_loss_key = loss_fn is not next_token_cross_entropy
     grad_fn = jax.value_and_grad(_shard_loss_fn(model_def, loss_fn), has_aux=True)
     C, b, V = plan.slots_per_device, plan.rows_per_shard, plan.num_shards
-    uneven = C > plan.shards_per_device  # slots for an uneven assignment: a per-device trip count
-    fsdp_size = mesh.shape[fsdp]
-    param_specs = mesh_lib.specs_from_logical(model_def.logical_axes)
-    manual_specs = jax.tree.map(lambda spec: mesh_lib.keep_axes(spec, manual), param_specs)
-    fsdp_dims = jax.tree.map(lambda spec: mesh_lib.axis_position(spec, fsdp), param_specs)
     # Headroom from the REAL shard count: padding shards add exact zeros, and a width that followed
     # the padded count (a function of the device grid) would make the bits depend on the layout.
     bits = reduce.own_bits(V)
@@ -212,14 +204,11 @@ def make_compute(
 
         # A plan without spare slots (uniform only) runs all C slots, padding ones with zero weight
         # (exact zeros): a counted loop, whose trip count XLA's analyses know (resilient_jax.hlo_stats).
-        return lax.fori_loop(0, count if uneven else C, body, (init, stats0))
+        return lax.fori_loop(0, count if grid.uneven else C, body, (init, stats0))
 
     def per_device(params_local, tokens, weights, step, layout):
-        # One all-gather for the whole tree, not one per leaf (resilient_jax.collectives says why).
-        params = collectives.gather(params_local, fsdp_dims, axis=fsdp, size=fsdp_size,
-                                    pack=mesh.shape[tensor] == 1)
-        grid = lax.axis_index(data) * fsdp_size + lax.axis_index(fsdp)
-        first, count = layout.starts[grid], layout.counts[grid]
+        params = grid.gather(params_local)
+        first, count = grid.my_shards(layout)
         if mode == "native":
             acc, stats = shard_loop(params, step, tokens, weights, first, count,
                                     jax.tree.map(jnp.zeros_like, params), lambda a, g: jax.tree.map(jnp.add, a, g))
@@ -265,38 +254,126 @@ def make_compute(
                                     groups=regions)
         return grads, stats, tries
 
-    sharded = jax.shard_map(
-        per_device,
-        mesh=mesh,
-        in_specs=(manual_specs, PartitionSpec((data, fsdp)), PartitionSpec((data, fsdp)), PartitionSpec(),
-                  ShardLayout(counts=PartitionSpec(), starts=PartitionSpec(), slots=PartitionSpec())),
-        out_specs=GradResult(
-            grads=manual_specs, loss=PartitionSpec(), shard_loss=PartitionSpec(), shard_finite=PartitionSpec(),
-            row_finite=PartitionSpec(), passes=PartitionSpec(),
-        ),
-        axis_names=manual,
-        # all_gather's and psum's results are identical on every device, but the public
-        # collectives are typed "varying"; the replicated out_specs are correct by construction
-        # (tests compare layouts).
-        check_vma=False,
-    )
-    param_shardings = mesh_lib.shardings_from_logical(model_def.logical_axes, mesh)
-    rep = mesh_lib.replicated(mesh)
-    out_shardings = GradResult(
-        grads=param_shardings, loss=rep, shard_loss=rep, shard_finite=rep, row_finite=rep, passes=rep
-    )
-    batch = mesh_lib.batch_sharding(mesh)
-    jitted = jax.jit(
-        sharded,
-        in_shardings=(param_shardings, batch, batch, rep, ShardLayout(counts=rep, starts=rep, slots=rep)),
-        out_shardings=out_shardings,
-    )
-    return Compute(jitted, plan)
+    rep = PartitionSpec()
+    out_specs = GradResult(grads=manual_specs, loss=rep, shard_loss=rep, shard_finite=rep, row_finite=rep, passes=rep)
+    return Compute(grid.jit(per_device, out_specs, lambda params: GradResult(
+        grads=params, loss=None, shard_loss=None, shard_finite=None, row_finite=None, passes=None)), plan)
+
+
+@struct.dataclass
+class EvalResult:
+    shard_loss: jax.Array  # [V] float32: the summed loss of each virtual shard's rows
+    shard_weight: jax.Array  # [V] float32: their loss weight
+
+
+def make_evaluate(model_def: ModelDef, mesh: Mesh, plan: ShardPlan, *, seed: int,
+                  loss_fn: LossFn = next_token_cross_entropy) -> "Compute":
+    """result = evaluate(params, tokens, weights, batch): held-out loss sums, forward only.
+
+    Each virtual shard of the eval batch is computed whole on one grid device, as in `compute`
+    (weights gathered over fsdp, the layout's shards one after another, no dropout), so a shard's
+    sum has the same bits whoever computes it; the sums come back replicated in shard order, for
+    the host to add up in a fixed order (resilient_jax.evaluation). `batch` (the eval batch's
+    index) only keys a task.loss of your own: rng.eval_loss_key.
+    """
+    grid = _GridSpecs.of(model_def, mesh, plan)
+    use_loss_key = loss_fn is not next_token_cross_entropy
+    loss_sum_fn = _shard_loss_fn(model_def, loss_fn)
+    C, b = plan.slots_per_device, plan.rows_per_shard
+
+    def per_device(params_local, tokens, weights, batch, layout):
+        params = grid.gather(params_local)
+        first, count = grid.my_shards(layout)
+        tok, w = tokens.reshape(C, b, -1), weights.reshape(C, b, -1)
+
+        def body(i, sums):
+            key = rng.eval_loss_key(seed, batch, first + i) if use_loss_key else None
+            loss_sum, (weight_sum, _) = loss_sum_fn(params, tok[i], w[i], None, key)
+            return sums.at[i].set(jnp.stack([loss_sum.astype(jnp.float32), weight_sum.astype(jnp.float32)]))
+
+        sums = lax.fori_loop(0, count if grid.uneven else C, body, jnp.zeros((C, 2), jnp.float32))
+        rows = lax.all_gather(sums, grid.grid_axes, tiled=True)[layout.slots]
+        return EvalResult(shard_loss=rows[:, 0], shard_weight=rows[:, 1])
+
+    rep = PartitionSpec()
+    return Compute(grid.jit(per_device, EvalResult(shard_loss=rep, shard_weight=rep),
+                            lambda params: EvalResult(shard_loss=None, shard_weight=None)), plan)
+
+
+@dataclass(frozen=True)
+class _GridSpecs:
+    """What compute and evaluate share: a shard_map manual over (data, fsdp) -- and tensor when it
+    is 1 -- in which each grid device gathers the fsdp-sharded weights and runs its layout's shards."""
+
+    mesh: Mesh
+    model_def: ModelDef
+    manual: frozenset
+    manual_specs: object  # params' PartitionSpecs restricted to the manual axes
+    fsdp_dims: object  # per param: the dim sharded over fsdp (or -1)
+    uneven: bool  # slots for an uneven assignment: a per-device trip count
+
+    @classmethod
+    def of(cls, model_def: ModelDef, mesh: Mesh, plan: ShardPlan) -> _GridSpecs:
+        if plan.devices != mesh_lib.grid_size(mesh):
+            raise ValueError(f"the shard plan is for {plan.devices} devices, the mesh's data x fsdp grid has "
+                             f"{mesh_lib.grid_size(mesh)}")
+        mesh_lib.check_model_layout(model_def.cfg, dict(mesh.shape))
+        data, fsdp, tensor = mesh_lib.DATA_AXIS, mesh_lib.FSDP_AXIS, mesh_lib.TENSOR_AXIS
+        manual = frozenset({data, fsdp} | ({tensor} if mesh.shape[tensor] == 1 else set()))
+        param_specs = mesh_lib.specs_from_logical(model_def.logical_axes)
+        return cls(mesh=mesh, model_def=model_def, manual=manual,
+                   manual_specs=jax.tree.map(lambda spec: mesh_lib.keep_axes(spec, manual), param_specs),
+                   fsdp_dims=jax.tree.map(lambda spec: mesh_lib.axis_position(spec, fsdp), param_specs),
+                   uneven=plan.slots_per_device > plan.shards_per_device)
+
+    @property
+    def grid_axes(self) -> tuple[str, str]:
+        return (mesh_lib.DATA_AXIS, mesh_lib.FSDP_AXIS)
+
+    def gather(self, params_local):
+        """The whole weights on this device. One all-gather for the whole tree, not one per leaf
+        (resilient_jax.collectives says why)."""
+        fsdp, tensor = mesh_lib.FSDP_AXIS, mesh_lib.TENSOR_AXIS
+        return collectives.gather(params_local, self.fsdp_dims, axis=fsdp, size=self.mesh.shape[fsdp],
+                                  pack=self.mesh.shape[tensor] == 1)
+
+    def my_shards(self, layout: ShardLayout) -> tuple[jax.Array, jax.Array]:
+        """(first shard, shard count) of this grid device under `layout`."""
+        fsdp = mesh_lib.FSDP_AXIS
+        g = lax.axis_index(mesh_lib.DATA_AXIS) * self.mesh.shape[fsdp] + lax.axis_index(fsdp)
+        return layout.starts[g], layout.counts[g]
+
+    def jit(self, per_device, out_specs, out_shardings_of):
+        """per_device(params, tokens, weights, scalar, layout), shard-mapped and jitted: params
+        sharded by their logical axes, the batch over the grid, the rest replicated. `out_specs`
+        mark params-shaped outputs with the manual specs; `out_shardings_of(param_shardings)` gives
+        the output shardings, None for a replicated leaf."""
+        grid_spec = PartitionSpec(self.grid_axes)
+        rep_spec = PartitionSpec()
+        sharded = jax.shard_map(
+            per_device, mesh=self.mesh,
+            in_specs=(self.manual_specs, grid_spec, grid_spec, rep_spec,
+                      ShardLayout(counts=rep_spec, starts=rep_spec, slots=rep_spec)),
+            out_specs=out_specs, axis_names=set(self.manual),
+            # all_gather's and psum's results are identical on every device, but the public
+            # collectives are typed "varying"; the replicated out_specs are correct by construction
+            # (tests compare layouts).
+            check_vma=False,
+        )
+        param_shardings = mesh_lib.shardings_from_logical(self.model_def.logical_axes, self.mesh)
+        rep = mesh_lib.replicated(self.mesh)
+        out_shardings = jax.tree.map(lambda x: rep if x is None else x, out_shardings_of(param_shardings),
+                                     is_leaf=lambda x: x is None)
+        batch = mesh_lib.batch_sharding(self.mesh)
+        return jax.jit(sharded, in_shardings=(param_shardings, batch, batch, rep,
+                                              ShardLayout(counts=rep, starts=rep, slots=rep)),
+                       out_shardings=out_shardings)
 
 
 class Compute:
-    """compute(params, tokens, weights, step, layout=None): the jitted step's gradient half; the
-    layout defaults to the plan's uniform one (a ShardLayout from `plan.layout(counts)` otherwise)."""
+    """fn(params, tokens, weights, index, layout=None): a jitted half of the step (compute: index =
+    the step; evaluate: the eval batch); the layout defaults to the plan's uniform one (a
+    ShardLayout from `plan.layout(counts)` otherwise)."""
 
     def __init__(self, jitted, plan: ShardPlan):
         self.jitted, self.plan = jitted, plan

@@ -22,6 +22,7 @@ import numpy as np
 from resilient_jax import assignment as assignment_lib
 from resilient_jax import compile_cache
 from resilient_jax import data as data_lib
+from resilient_jax import evaluation
 from resilient_jax import faults as faults_lib
 from resilient_jax import flops as flops_lib
 from resilient_jax import hierarchy
@@ -31,6 +32,7 @@ from resilient_jax import state as state_lib
 from resilient_jax import step as step_lib
 from resilient_jax.checkpoint.session import CheckpointSession
 from resilient_jax.config import Config, DataConfig
+from resilient_jax.data.evalset import build_eval_set, holdout_quarantine
 from resilient_jax.data.location import check_buildable
 from resilient_jax.fingerprinting import params_fingerprint
 from resilient_jax.metrics import MetricsLog, StepWindow
@@ -88,6 +90,8 @@ class RunTotals:
     tokens: int = 0
     steps: int = 0
     quarantines: list[QuarantineRecord] = field(default_factory=list)
+    evals: dict[int, evaluation.EvalRecord] = field(default_factory=dict)  # by step: one each
+    eval_seconds: float = 0.0
 
     def record_step(self, loss: float, seconds: float, data_wait: float, tokens: int) -> None:
         if self.first_loss is None:
@@ -98,15 +102,19 @@ class RunTotals:
         self.tokens += tokens
         self.steps += 1
 
+    def record_eval(self, record: evaluation.EvalRecord) -> None:
+        self.evals[record.step] = record  # a re-evaluation after a resume replaces its twin
+        self.eval_seconds += record.seconds
+
 
 class Trainer:
     def __init__(self, cfg: Config, *, devices: list[jax.Device] | None = None, resume: str | None = None,
                  allow_config_change: list[str] = (), stop_at: int | None = None,
                  verified_dataset: data_lib.Manifest | None = None, regions: dict[int, str] | None = None,
-                 hosts: int | None = None):
+                 hosts: int | None = None, verified_eval_dataset: data_lib.Manifest | None = None):
         """`resume`, `allow_config_change`: see resilient_jax.checkpoint.session; `stop_at`: stop (and
         checkpoint) after that many steps, as a preemption would; `verified_dataset`: see
-        resolve_dataset; `regions`: each process's region (an elastic world), for the
+        resolve_dataset (`verified_eval_dataset`: the same for eval.dataset); `regions`: each process's region (an elastic world), for the
         region-aware reduction (`parallel.cross_region`); `hosts`: the processes of the world this
         trainer is for (default: this one's; another for a trainer that only compiles the step of
         a world to come, see precompile_abstract)."""
@@ -129,6 +137,8 @@ class Trainer:
         self._grid_processes = self._owners_of_grid()
         mesh_lib.check_model_layout(cfg.model, dict(self.mesh.shape))
         self.manifest = resolve_dataset(cfg.data, verified_dataset)
+        # Held-out data (None: no evaluation); checked against the training data before any step.
+        self.evalset = build_eval_set(cfg.eval, self.manifest, cfg.data.global_batch, verified_eval_dataset)
         self.model_def = state_lib.make_model_def(cfg.model, cfg.task.import_dir)
         if not self.model_def.builtin:
             self.model_def.check_output(cfg.data.seq_len, self.manifest.vocab_size)
@@ -150,6 +160,8 @@ class Trainer:
             regions=self.region_groups,
         )
         self.apply = step_lib.make_apply(self.tx, self.schedule, self.shardings, self.mesh)
+        self.evaluate = None if self.evalset is None else step_lib.make_evaluate(
+            self.model_def, self.mesh, self.plan, seed=cfg.train.seed, loss_fn=loss_fn)
         self.run_dir = Path(cfg.run.dir)
         self.is_writer = jax.process_index() == 0
 
@@ -231,7 +243,8 @@ class Trainer:
             rows=real_rows,
             start_step=start_step,
             quarantine=tuple(quarantine) + tuple(data_lib.QuarantineEvent(q.shard, q.from_step)
-                                                 for q in self.cfg.data.quarantine),
+                                                 for q in self.cfg.data.quarantine)
+            + holdout_quarantine(len(self.manifest.shards), self.cfg.eval.holdout_shards),
             prefetch=self.cfg.data.prefetch,
             poison=faults_lib.nan_shard_poison(self.faults),
         )
@@ -316,6 +329,8 @@ class Trainer:
         grads = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state.params)
         self.compute.lower(state.params, tokens, weights, np.int32(0)).compile()
         self.apply.lower(state, grads, np.int32(0)).compile()
+        if self.evaluate is not None:
+            self.evaluate.lower(state.params, tokens, weights, np.int32(0)).compile()
 
     def precompile_abstract(self) -> None:
         """`precompile` from the state's shapes and shardings alone: for a world that does not exist
@@ -387,9 +402,10 @@ class Trainer:
         step = start
         stopped = None
         try:
-            if step < end:
+            if step < end or loop.eval_due(step):
                 loop.compile(state)
             while step < end:
+                loop.evaluate_if_due(state, step)
                 state = loop.step(state, step)
                 step += 1
                 if loop.preempted:
@@ -397,6 +413,8 @@ class Trainer:
                     break
             if stopped is None and end < cfg.train.steps:
                 stopped = "stop_at"
+            if stopped is None:
+                loop.evaluate_if_due(state, step)  # the last step's
             loop.flush_log()
             ckpt.finish(step, state, loop.data_position())
             # Only now is the stop clean: the checkpoint of `step` is committed.
@@ -428,6 +446,9 @@ class Trainer:
                   "no steps left to run" if summary["final_loss"] is None else f"loss {summary['final_loss']:.4f}")
         tps = summary.get("tokens_per_second")
         mfu = summary.get("mfu")
+        last_eval = (summary.get("eval") or {}).get("last")
+        if last_eval is not None:
+            losses += f" | eval loss {last_eval['loss']:.4f} (step {last_eval['step']})"
         return (f"{'stopped (' + stopped + ')' if stopped else 'done'}: step {summary['final_step']} {losses} | "
                 f"{'-' if tps is None else f'{tps:,.0f}'} tokens/s"
                 f"{'' if mfu is None else f', MFU {mfu:.1%}'} | compile {summary['compile_seconds']:.1f} s | "
@@ -475,7 +496,17 @@ class Trainer:
             "quarantined_shards": sorted({q.shard for q in totals.quarantines}),
             "quarantine_events": [q.to_dict() for q in totals.quarantines],
             "data_position": position.to_dict(),
+            "eval": self.eval_summary(totals),
         }
+
+    def eval_summary(self, totals: RunTotals) -> dict[str, Any] | None:
+        """summary.json's `eval`: the eval set, the last evaluation and every one this process ran
+        (None without evaluation)."""
+        if self.evalset is None:
+            return None
+        records = [totals.evals[k].to_event() for k in sorted(totals.evals)]
+        return {**self.evalset.describe(), "every_steps": self.cfg.eval.every_steps,
+                "last": records[-1] if records else None, "history": records, "seconds": totals.eval_seconds}
 
 
 @dataclass(frozen=True)
@@ -526,6 +557,23 @@ class StepLoop:
         self.window = StepWindow()
         self.completed = start_step
         self._applied = None
+        self.evaluator = None if trainer.evalset is None else evaluation.Evaluator(
+            trainer.evalset, trainer.evaluate, trainer._place, trainer.local_rows, lambda: trainer.layout)
+
+    def eval_due(self, completed: int) -> bool:
+        cfg = self.trainer.cfg
+        return self.evaluator is not None and evaluation.due(completed, cfg.eval.every_steps, cfg.train.steps)
+
+    def evaluate_if_due(self, state, completed: int) -> evaluation.EvalRecord | None:
+        """Evaluate the state after `completed` steps if it is an eval step (every member of a world
+        calls this at the same boundaries: the forward pass is a collective). Donates nothing: a
+        collective failing here leaves `state` as it was."""
+        if not self.eval_due(completed):
+            return None
+        record = self.evaluator.run(state.params, completed)
+        self.totals.record_eval(record)
+        self.log.eval(record.to_event())
+        return record
 
     def compile(self, state) -> float:
         """Compile this world's step before the first one runs, so compiling is reported as
@@ -593,3 +641,5 @@ class StepLoop:
 
     def close(self) -> None:
         self.loader.close()
+        if self.evaluator is not None:
+            self.evaluator.close()

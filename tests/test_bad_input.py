@@ -74,6 +74,13 @@ CASES = [
     (["--set", "task.loss=no_such_pkg_h13:loss"], "config key task.loss: cannot import module 'no_such_pkg_h13'"),
     (["--set", "model.args={width: 3}"], "config key model.args: the built-in model"),
     (["--set", "model.args=[1, 2]"], "config key model.args: expected a mapping with text keys"),
+    (["--set", "eval.every_steps=10"], "config key eval.every_steps: evaluation needs held-out data"),
+    (["--set", "eval.every_steps=10", "--set", "eval.holdout_shards=16"],
+     "config key eval.holdout_shards: the dataset has 16 shards and training needs at least one"),
+    (["--set", "eval.every_steps=10", "--set", "eval.holdout_shards=2", "--fault", "nan_shard:15@3"],
+     "fault nan_shard:15@3: shard 15 is held out for evaluation (eval.holdout_shards 2: shards 14..15)"),
+    (["--set", "eval.every_steps=10", "--set", "eval.dataset=empty-dir"],
+     "config key eval.dataset: {cwd}/empty-dir holds no dataset (manifest.json); prepare it"),
 ]
 
 

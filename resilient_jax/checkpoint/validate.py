@@ -46,7 +46,11 @@ DATA_LOCATION = ("data.dataset", "data.src", "data.build_if_missing")
 # task.import_dir only says where model.factory / task.loss are found (the config file's directory
 # by default): the model is pinned by model.factory, model.args and the params' shapes, checked on restore.
 PLUGIN_LOCATION = ("task.import_dir",)
-OPERATIONAL = ("run.", "checkpoint.", "train.log_every", "data.prefetch", *DATA_LOCATION, *PLUGIN_LOCATION, *LAYOUT)
+# Evaluation reads the state and writes records; it never changes the trajectory -- except
+# eval.holdout_shards, which takes shards out of the training order (so it is not listed here).
+EVAL = ("eval.every_steps", "eval.dataset", "eval.batches")
+OPERATIONAL = ("run.", "checkpoint.", "train.log_every", "data.prefetch", *DATA_LOCATION, *PLUGIN_LOCATION, *EVAL,
+               *LAYOUT)
 
 
 SECRET_KEY = "runtime.token"

@@ -48,8 +48,11 @@ class BatchReader:
 
     def read(self, order: GlobalOrder, step: int, rows: tuple[int, int] | None = None) -> Batch:
         lo, hi = rows or self.rows
-        ids = global_batch_ids(order, step)[lo:hi]
-        if hi == lo:  # a host that holds no virtual shard this step (resilient_jax.assignment) reads nothing
+        return self.read_ids(global_batch_ids(order, step)[lo:hi], step)
+
+    def read_ids(self, ids: np.ndarray, step: int) -> Batch:
+        """The records of global sample ids `ids`, in that order (the poison hook applies at `step`)."""
+        if ids.size == 0:  # a host that holds no virtual shard this step (resilient_jax.assignment) reads nothing
             L = self.manifest.seq_len
             return Batch(step, np.zeros((0, L + 1), np.int32), np.zeros((0, L), np.float32), ids,
                          np.zeros(0, np.int32))

@@ -52,6 +52,7 @@ from typing import Any, Callable
 
 from resilient_jax.elastic import channel, membership, stragglers
 from resilient_jax.elastic.tls import ServerTls, connect_host
+from resilient_jax.metrics import describe as describe_event
 from resilient_jax.run_history import DONE, RunHistory
 from resilient_jax.elastic.world import CoordinationService
 
@@ -210,6 +211,7 @@ class Controller:
         self._history_begun = False
         self._started = time.perf_counter()
         self._progress_step = -1  # the last step a progress line was printed for
+        self._eval_steps: set = set()  # the steps whose evaluation was printed
         self.members: dict[str, Member] = {}
         self.world: World | None = None
         self.services: dict[int, CoordinationService] = {}
@@ -262,10 +264,12 @@ class Controller:
 
     def heartbeat(self, host: str, generation: int, step: int, step_seconds: float = 0.0,
                   stalled_seconds: float = 0.0, deadline_seconds: float = 0.0, timings: list | None = None,
-                  progress: list | None = None, reassignments: list | None = None) -> dict:
+                  progress: list | None = None, reassignments: list | None = None,
+                  evals: list | None = None) -> dict:
         """`step`: steps completed; `timings`: [step, ready s, step s, wall, shards] per step since
         the last heartbeat; `progress`: [step, loss, tokens/s] per logged step (printed once per
-        step); `reassignments`: shard re-plans the world took (rank 0 reports them)."""
+        step); `reassignments`: shard re-plans the world took (rank 0 reports them); `evals`: eval
+        events (resilient_jax.evaluation), printed once per step."""
         for event in reassignments or ():
             self.reassign(host, generation, event)
         with self._lock:
@@ -281,6 +285,10 @@ class Controller:
             abort = generation in self.broken
             if stalled_seconds > 0 and not abort and self.world is not None and generation == self.world.generation:
                 self._record_stall(host, step + 1, stalled_seconds, deadline_seconds)
+            for record in evals or ():
+                if isinstance(record, dict) and record.get("step") not in self._eval_steps:
+                    self._eval_steps.add(record.get("step"))
+                    self.console(describe_event(record))
             for k, loss, tokens_per_s in progress or ():
                 self._print_progress(generation, k, loss, tokens_per_s)
                 if k == 1 and self._history_begun:

@@ -34,10 +34,11 @@ def wanted(setting: str, platform: str, cache_on: bool) -> bool:
 
 class Precompiler(threading.Thread):
     def __init__(self, cfg, *, generation: int, regions_by_rank: Sequence[str], devices: Sequence,
-                 verified_dataset, on_done: Callable[[dict], None]):
+                 verified_dataset, on_done: Callable[[dict], None], verified_eval_dataset=None):
         super().__init__(name=f"precompile-g{generation}", daemon=True)
         self.cfg, self.generation, self.devices = cfg, generation, list(devices)
         self.verified_dataset, self.on_done = verified_dataset, on_done
+        self.verified_eval_dataset = verified_eval_dataset
         self.worlds = likely_next_worlds(regions_by_rank, min_hosts=cfg.runtime.min_hosts)
         self.results: list[dict] = []
         self._stopping = threading.Event()
@@ -54,7 +55,8 @@ class Precompiler(threading.Thread):
                 n = len(regions)
                 devices = [d for d in self.devices if d.process_index < n]
                 trainer = Trainer(self.cfg, devices=devices, regions=dict(enumerate(regions)), hosts=n,
-                                  verified_dataset=self.verified_dataset)
+                                  verified_dataset=self.verified_dataset,
+                                  verified_eval_dataset=self.verified_eval_dataset)
                 t0 = time.perf_counter()
                 trainer.precompile_abstract()
                 # Seconds only: the cache counters are per process, and the training thread's own

@@ -107,6 +107,7 @@ class Heartbeat(threading.Thread):
         self._timings: list[list] = []  # [step, ready s, step s, wall time, shards held] not yet reported
         self._progress: list[list] = []  # [step, loss, tokens/s] of logged steps not yet reported
         self._reassignments: list[dict] = []  # shard re-plans not yet reported
+        self._evals: list[dict] = []  # eval events not yet reported
         self._lock = threading.Lock()
         self._stop = threading.Event()
 
@@ -126,6 +127,11 @@ class Heartbeat(threading.Thread):
             taken, self._reassignments = self._reassignments, []
         return taken
 
+    def report_eval(self, event: dict) -> None:
+        """An evaluation, for the driver's console (sent with the next heartbeat)."""
+        with self._lock:
+            self._evals.append(event)
+
     def report_progress(self, step: int, loss: float, tokens_per_s: float) -> None:
         """A logged step, for the driver's console (sent with the next heartbeat)."""
         with self._lock:
@@ -139,13 +145,14 @@ class Heartbeat(threading.Thread):
                 timings, self._timings = self._timings, []
                 progress, self._progress = self._progress, []
                 reassignments, self._reassignments = self._reassignments, []
+                evals, self._evals = self._evals, []
             generation = self.generation
             stalled = self.clock.stalled_for()
             try:
                 reply = self.client.call("/heartbeat", retry_seconds=0, host=self.host, generation=generation,
                                          step=self.step, step_seconds=self.step_seconds, stalled_seconds=stalled,
                                          deadline_seconds=min(self.clock.deadline(), 1e9), timings=timings,
-                                         progress=progress, reassignments=reassignments)
+                                         progress=progress, reassignments=reassignments, evals=evals)
             except ControllerError as e:
                 # Briefly unreachable: keep training; membership has not changed as far as we know.
                 log.debug("heartbeat failed: %s", e)
@@ -153,6 +160,7 @@ class Heartbeat(threading.Thread):
                     self._timings = timings + self._timings
                     self._progress = progress + self._progress
                     self._reassignments = reassignments + self._reassignments
+                    self._evals = evals + self._evals
                 continue
             self.reform_signal = int(reply.get("reform_signal", 0))
             self.stop_reason = reply.get("stop") or self.stop_reason
@@ -341,6 +349,7 @@ class Worker:
         self.cache_on = cache_on  # the persistent compile cache is in use (precompiles need it)
         self.precompiler = None  # rank 0's background compile of the likely next worlds, while it trains
         self.verified_dataset = None  # the dataset's Manifest once this process has hashed its shards
+        self.verified_eval_dataset = None  # eval.dataset's, likewise
         self.generation = -1
         self.coordinator_port: int | None = None  # set while this process is in a JAX world
         self._world_lock = threading.Lock()  # an abort must hit the world it was meant for
@@ -445,8 +454,10 @@ class Worker:
             # the directory): a member dying here fails the world like one dying in the adoption.
             trainer = Trainer(self.cfg, devices=jax.devices(), resume=resume,
                               allow_config_change=self.allow_config_change,
-                              verified_dataset=self.verified_dataset, regions=regions)
+                              verified_dataset=self.verified_dataset, regions=regions,
+                              verified_eval_dataset=self.verified_eval_dataset)
             self.verified_dataset = trainer.manifest
+            self.verified_eval_dataset = trainer.evalset.manifest if trainer.evalset else None
             ckpt = trainer.checkpoints(generation=self.generation, regions=regions)
             ckpt.on_save = self.faults.saving
             if world["source"] is None:
@@ -546,7 +557,8 @@ class Worker:
 
         self.precompiler = precompile.Precompiler(
             self.cfg, generation=generation, regions_by_rank=[world["regions"][h] for h in members],
-            devices=jax.devices(), verified_dataset=self.verified_dataset, on_done=report)
+            devices=jax.devices(), verified_dataset=self.verified_dataset,
+            verified_eval_dataset=self.verified_eval_dataset, on_done=report)
         self.precompiler.start()
 
     def _leave(self, ckpt) -> None:
@@ -593,6 +605,9 @@ class Worker:
             while step < total:
                 if self.stop_at is not None and step >= self.stop_at:  # the same step on every member
                     return self._finish(trainer, loop, ckpt, state, step, stopped="stop_at")
+                # Before the step, not after it: a world that resumes at an eval step evaluates it
+                # (its step timings leave evaluating out).
+                self._evaluate(loop, state, step)
                 ready_from = time.perf_counter()
                 self.faults.before_step(step, clock, shares.share(), precompiled=self.heartbeat.precompiled)
                 waited = loop.loader.wait_seconds
@@ -660,6 +675,8 @@ class Worker:
         """The last checkpoint (committed before returning), then the summary from rank 0."""
         import jax
 
+        if stopped is None:
+            self._evaluate(loop, state, step)  # the last step's
         loop.flush_log()
         ckpt.finish(step, state, loop.data_position())
         summary = trainer.summarize(state, self.totals, time.perf_counter() - self.started, loop.data_position())
@@ -670,6 +687,11 @@ class Worker:
             self.client.call("/done", retry_seconds=30, host=self.host, summary=summary,
                              reassignments=self.heartbeat.take_reassignments())
         return (Event.STOPPED, f"{stopped} at step {step}") if stopped else (Event.FINISHED, f"step {step}")
+
+    def _evaluate(self, loop, state, step: int) -> None:
+        record = loop.evaluate_if_due(state, step)
+        if record is not None:
+            self.heartbeat.report_eval(record.to_event())
 
     def _report_progress(self, step: int, seconds: float, loop) -> None:
         """Every train.log_every steps (and the first and last): loss and tokens/s over the window,
