@@ -200,7 +200,9 @@ class MetricsLog:
             return
         step, loss = record["step"], record["loss"]
         if step in self._evals:
-            if not _same_float(self._evals[step], loss):
+            if _same_float(self._evals[step], loss):
+                self.console(f"eval at step {step} again (resumed at an eval step): the same loss, bit for bit")
+            else:
                 self.console(f"warning: eval at step {step} gave loss {loss!r} this time, {self._evals[step]!r} "
                              "before; the first is kept in metrics.jsonl")
             return

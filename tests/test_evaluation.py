@@ -149,6 +149,7 @@ def test_a_run_evaluates_every_n_steps_once_per_step_across_resumes_with_the_ref
     assert "eval at step 2: loss" in first.stdout and "eval at step 4: loss" in first.stdout
     again = run_cli(*argv)
     assert again.returncode == 0, again.stderr[-3000:]
+    assert "eval at step 4 again (resumed at an eval step): the same loss, bit for bit" in again.stdout
     assert "warning" not in again.stdout + again.stderr
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
