@@ -6,6 +6,9 @@ One step, as the loop runs it:
     if some virtual shard is non-finite:            (fault class 4: a NaN data shard)
         quarantine the offending data shards from k, re-read step k, recompute
     state  = apply(state, result.grads, k)          local update; donates the old state
+
+and before a step k at an eval boundary (and after the last), the held-out loss of the state after
+k steps (resilient_jax.evaluation), which donates nothing either.
 """
 
 from __future__ import annotations
@@ -402,7 +405,7 @@ class Trainer:
         step = start
         stopped = None
         try:
-            if step < end or loop.eval_due(step):
+            if step < end or (end == cfg.train.steps and loop.eval_due(step)):  # steps, or the last eval
                 loop.compile(state)
             while step < end:
                 loop.evaluate_if_due(state, step)
