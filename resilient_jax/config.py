@@ -145,7 +145,7 @@ class EvalConfig:
     # Evaluate after every N completed steps, and after the last one; 0 = never.
     every_steps: int = 0
     # Held-out data, either the last N shards of the training dataset (left out of training from
-    # step 0, changing its sample order) ...
+    # step 0, changing its sample order; they stay out when eval.every_steps is 0) ...
     holdout_shards: int = 0
     # ... or a dataset directory of its own, prepared with the training data's tokenizer and seq_len
     # (relative paths are against the current directory).
@@ -574,21 +574,21 @@ def from_dict(raw: dict[str, Any]) -> Config:
             f"below runtime.dead_after_seconds ({cfg.runtime.dead_after_seconds:g}): the coordination service "
             f"would declare a slow host dead before the controller's liveness verdict; set it to at least "
             f"{math.ceil(cfg.runtime.dead_after_seconds)}")
-    check_eval(cfg.eval)
+    check_eval_sources(cfg.eval)
     return cfg
 
 
-def check_eval(ev: EvalConfig) -> None:
-    """Evaluation needs exactly one source of held-out data, and a source is only for evaluation."""
+def check_eval_sources(ev: EvalConfig) -> None:
+    """Evaluation needs exactly one source of held-out data. (Shards held out while nothing is
+    evaluated are allowed: a run that stops evaluating keeps them out of training, as they were.)"""
     if ev.holdout_shards and ev.dataset:
         raise ConfigError("config key eval.dataset: set either eval.holdout_shards or eval.dataset, not both")
     if ev.every_steps and not (ev.holdout_shards or ev.dataset):
         raise ConfigError("config key eval.every_steps: evaluation needs held-out data; set eval.holdout_shards "
                           "(the last N shards of the training dataset) or eval.dataset (a prepared dataset)")
-    if not ev.every_steps and (ev.holdout_shards or ev.dataset):
-        key = "eval.holdout_shards" if ev.holdout_shards else "eval.dataset"
-        raise ConfigError(f"config key {key}: eval.every_steps is 0, so nothing is evaluated; set "
-                          "eval.every_steps to evaluate, or leave the eval section out")
+    if not ev.every_steps and ev.dataset:
+        raise ConfigError("config key eval.dataset: eval.every_steps is 0, so nothing is evaluated; set "
+                          "eval.every_steps to evaluate, or leave eval.dataset out")
 
 
 def diff_keys(a: Config | dict, b: Config | dict) -> list[str]:

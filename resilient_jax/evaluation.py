@@ -22,12 +22,13 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
-from resilient_jax.data.evalset import EvalSet
+if TYPE_CHECKING:
+    from resilient_jax.trainer import Trainer
 
 
 def due(completed: int, every_steps: int, total_steps: int) -> bool:
@@ -57,33 +58,32 @@ def combine(step: int, shard_sums: list[tuple[np.ndarray, np.ndarray]], seconds:
             loss_sum += float(loss)
             weight_sum += float(weight)
     loss = loss_sum / weight_sum if weight_sum > 0 else math.nan
-    perplexity = math.exp(loss) if loss < 700 else math.inf  # exp overflows a float64 past ~709
+    # exp overflows a float64 past ~709; a NaN loss keeps a NaN perplexity
+    perplexity = loss if math.isnan(loss) else math.exp(loss) if loss < 700 else math.inf
     return EvalRecord(step=step, loss=loss, perplexity=perplexity, tokens=weight_sum, batches=len(shard_sums),
                       seconds=seconds)
 
 
 class Evaluator:
-    """One world's evaluation: the eval set, the compiled forward pass, and how a batch reaches the
-    devices (the trainer's placement, so the current shard layout applies)."""
+    """One world's evaluation: the trainer's eval set and compiled forward pass, its batches placed
+    as the trainer places training batches (so the current shard layout applies)."""
 
-    def __init__(self, evalset: EvalSet, evaluate, place: Callable, rows: Callable[[], tuple[int, int]],
-                 layout: Callable):
+    def __init__(self, trainer: Trainer):
         from resilient_jax.data.reader import BatchReader
 
-        self.evalset, self.evaluate = evalset, evaluate
-        self._place, self._rows, self._layout = place, rows, layout
-        self._reader = BatchReader(evalset.manifest, rows())
+        self.trainer, self.evalset = trainer, trainer.evalset
+        self._reader = BatchReader(self.evalset.manifest, trainer.local_rows())
 
     def run(self, params, completed: int) -> EvalRecord:
-        started = time.perf_counter()
-        sums = []
-        lo, hi = self._rows()
+        trainer, started = self.trainer, time.perf_counter()
+        results = []
+        rows = lo, hi = trainer.local_rows()
         for i in range(self.evalset.batches):
             batch = self._reader.read_ids(self.evalset.batch_ids(i)[lo:hi], step=completed)
-            tokens, weights = self._place(batch, (lo, hi))
-            result = self.evaluate(params, tokens, weights, np.int32(i), self._layout())
-            sums.append(jax.device_get((result.shard_loss, result.shard_weight)))
-        return combine(completed, sums, time.perf_counter() - started)
+            tokens, weights = trainer._place(batch, rows)
+            result = trainer.evaluate(params, tokens, weights, np.int32(i), trainer.layout)
+            results.append((result.shard_loss, result.shard_weight))
+        return combine(completed, jax.device_get(results), time.perf_counter() - started)
 
     def close(self) -> None:
         self._reader.close()

@@ -70,7 +70,7 @@ def logged_evals(path: Path) -> dict[int, float]:
         except ValueError:
             continue
         if record.get("event") == "eval" and isinstance(record.get("step"), int):
-            out[record["step"]] = record.get("loss")
+            out.setdefault(record["step"], record.get("loss"))  # the first is the one kept
     return out
 
 
@@ -204,7 +204,8 @@ class MetricsLog:
                 self.console(f"eval at step {step} again (resumed at an eval step): the same loss, bit for bit")
             else:
                 self.console(f"warning: eval at step {step} gave loss {loss!r} this time, {self._evals[step]!r} "
-                             "before; the first is kept in metrics.jsonl")
+                             "before (eval.dataset or eval.batches changed on resume, or a bug: the same params "
+                             "and eval set always give the same bits); the first is kept in metrics.jsonl")
             return
         self._evals[step] = loss
         self.event(record)

@@ -38,19 +38,17 @@ def check_run(cfg: Config) -> None:
         if q.shard >= shards:
             raise ConfigError(f"config key data.quarantine[{i}].shard: the dataset has {shards} shards "
                               f"(0..{shards - 1}), got {q.shard}")
-    check_eval(cfg, faults, shards)
+    check_eval_data(cfg, faults, shards)
     check_output_dir("run.dir", cfg.run.dir)
     if cfg.checkpoint.dir:
         check_output_dir("checkpoint.dir", cfg.checkpoint.dir)
 
 
-def check_eval(cfg: Config, faults: list[Fault], shards: int) -> None:
-    from resilient_jax.data.evalset import build_eval_set, holdout_shard_ids, open_eval_dataset
+def check_eval_data(cfg: Config, faults: list[Fault], shards: int) -> None:
+    from resilient_jax.data.evalset import build_eval_set, holdout_shard_ids
     from resilient_jax.data.location import check_buildable
     from resilient_jax.data.manifest import MANIFEST_NAME, load_manifest
 
-    if not cfg.eval.every_steps:
-        return
     if cfg.eval.holdout_shards:
         held = holdout_shard_ids(shards, cfg.eval.holdout_shards)
         for fault in faults:
@@ -58,11 +56,15 @@ def check_eval(cfg: Config, faults: list[Fault], shards: int) -> None:
                 raise ConfigError(f"fault {fault}: shard {fault.target} is held out for evaluation "
                                   f"(eval.holdout_shards {cfg.eval.holdout_shards}: shards {held[0]}..{held[-1]}), "
                                   "so training never reads it")
-    else:
-        open_eval_dataset(cfg.eval.dataset, verify=False)
+    if not cfg.eval.every_steps:
+        return
     train = check_buildable(cfg.data)
-    if (train / MANIFEST_NAME).is_file():  # else it is built at start; the trainer checks then
+    if (train / MANIFEST_NAME).is_file():
         build_eval_set(cfg.eval, load_manifest(train), cfg.data.global_batch, verify=False)
+    elif cfg.eval.dataset:  # the training data is built at start (the trainer checks the rest then)
+        from resilient_jax.data.evalset import open_eval_dataset
+
+        open_eval_dataset(cfg.eval.dataset, verify=False)
 
 
 def check_plugins(cfg: Config) -> None:

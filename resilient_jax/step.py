@@ -379,7 +379,7 @@ class Compute:
         self.jitted, self.plan = jitted, plan
         self._uniform = plan.layout()
 
-    def __call__(self, params, tokens, weights, step, layout: ShardLayout | None = None) -> GradResult:
+    def __call__(self, params, tokens, weights, step, layout: ShardLayout | None = None):
         return self.jitted(params, tokens, weights, step, self._uniform if layout is None else layout)
 
     def lower(self, params, tokens, weights, step, layout: ShardLayout | None = None):

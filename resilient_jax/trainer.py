@@ -35,7 +35,7 @@ from resilient_jax import state as state_lib
 from resilient_jax import step as step_lib
 from resilient_jax.checkpoint.session import CheckpointSession
 from resilient_jax.config import Config, DataConfig
-from resilient_jax.data.evalset import build_eval_set, holdout_quarantine
+from resilient_jax.data.evalset import build_eval_set, check_held_out, holdout_quarantine
 from resilient_jax.data.location import check_buildable
 from resilient_jax.fingerprinting import params_fingerprint
 from resilient_jax.metrics import MetricsLog, StepWindow
@@ -233,7 +233,9 @@ class Trainer:
     def open_loader(self, start_step: int, quarantine=(),
                     position: data_lib.DataPosition | None = None) -> data_lib.HostBatchLoader:
         real_rows = self.local_rows()
+        held_out = holdout_quarantine(len(self.manifest.shards), self.cfg.eval.holdout_shards)
         if position is not None:  # a resume: checks the dataset version and global batch too
+            check_held_out(position.quarantine, held_out)
             return data_lib.HostBatchLoader.from_position(
                 self.manifest, position, seed=self.cfg.train.seed, global_batch=self.cfg.data.global_batch,
                 rows=real_rows, prefetch=self.cfg.data.prefetch,
@@ -246,8 +248,7 @@ class Trainer:
             rows=real_rows,
             start_step=start_step,
             quarantine=tuple(quarantine) + tuple(data_lib.QuarantineEvent(q.shard, q.from_step)
-                                                 for q in self.cfg.data.quarantine)
-            + holdout_quarantine(len(self.manifest.shards), self.cfg.eval.holdout_shards),
+                                                 for q in self.cfg.data.quarantine) + held_out,
             prefetch=self.cfg.data.prefetch,
             poison=faults_lib.nan_shard_poison(self.faults),
         )
@@ -560,8 +561,7 @@ class StepLoop:
         self.window = StepWindow()
         self.completed = start_step
         self._applied = None
-        self.evaluator = None if trainer.evalset is None else evaluation.Evaluator(
-            trainer.evalset, trainer.evaluate, trainer._place, trainer.local_rows, lambda: trainer.layout)
+        self.evaluator = None if trainer.evalset is None else evaluation.Evaluator(trainer)
 
     def eval_due(self, completed: int) -> bool:
         cfg = self.trainer.cfg

@@ -17,7 +17,10 @@ import pytest
 from resilient_jax import evaluation, train
 from resilient_jax.config import ConfigError, EvalConfig
 from resilient_jax.data import DatasetError, GlobalOrder, global_batch_ids, prepare_dataset
-from resilient_jax.data.evalset import build_eval_set, check_compatible, holdout_quarantine, holdout_shard_ids
+from resilient_jax.data.evalset import (build_eval_set, check_compatible, check_held_out, holdout_quarantine,
+                                        holdout_shard_ids)
+from resilient_jax.data.order import QuarantineEvent
+from resilient_jax.metrics import MetricsLog
 from resilient_jax.trainer import Trainer
 
 from conftest import TINY, read_summary, run_cli, tiny_config
@@ -39,7 +42,27 @@ def test_the_loss_is_the_weighted_mean_added_in_batch_then_shard_order():
     record = evaluation.combine(7, sums, seconds=0.5)
     assert (record.step, record.batches, record.tokens) == (7, 2, 4.0)
     assert record.loss == 9.0 / 4.0 and record.perplexity == math.exp(9.0 / 4.0)
-    assert math.isnan(evaluation.combine(1, [(np.float32([0.0]), np.float32([0.0]))], 0.0).loss)
+    empty = evaluation.combine(1, [(np.float32([0.0]), np.float32([0.0]))], 0.0)
+    assert math.isnan(empty.loss) and math.isnan(empty.perplexity)
+
+
+def test_a_step_evaluated_again_is_recorded_once_and_a_differing_value_is_a_warning(tmp_path, capsys):
+    def record(step, loss):
+        return {"event": "eval", "step": step, "loss": loss, "perplexity": math.exp(loss), "tokens": 1.0,
+                "batches": 1, "seconds": 0.1}
+
+    log = MetricsLog(tmp_path, 10, progress="quiet")
+    log.eval(record(5, 2.5))
+    log.close()
+    reopened = MetricsLog(tmp_path, 10, progress="quiet", start_step=5)  # a resume at the eval step
+    reopened.eval(record(5, 2.5))
+    reopened.eval(record(5, 2.75))
+    reopened.close()
+    out = capsys.readouterr().out
+    assert "eval at step 5 again (resumed at an eval step): the same loss, bit for bit" in out
+    assert "warning: eval at step 5 gave loss 2.75 this time, 2.5 before" in out
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss"]) for r in lines if r.get("event") == "eval"] == [(5, 2.5)]
 
 
 # -- which samples -------------------------------------------------------------------------------
@@ -59,6 +82,17 @@ def test_held_out_shards_are_the_last_ones_and_training_never_reads_them(default
     assert set(manifest.shard_of(evalset.sample_ids)) <= {shards - 2, shards - 1}
     every = build_eval_set(EvalConfig(every_steps=5, holdout_shards=2, batches=0), manifest, 48)
     assert every.batches == (manifest.num_records - held_from) // 48
+
+
+def test_a_resume_may_not_hold_out_shards_its_run_trained_on():
+    saved = (QuarantineEvent(3, 7), QuarantineEvent(14, 0), QuarantineEvent(15, 0))  # held out 2, a NaN shard
+    check_held_out(saved, holdout_quarantine(16, 2))  # the same
+    check_held_out(saved, holdout_quarantine(16, 1))  # fewer: shard 14 simply stays out of training
+    check_held_out(saved, ())  # evaluation turned off: both stay out
+    with pytest.raises(DatasetError, match=r"eval.holdout_shards: the run being resumed trained on shard\(s\) 13,"):
+        check_held_out(saved, holdout_quarantine(16, 3))
+    with pytest.raises(DatasetError, match="trained on shard"):
+        check_held_out((QuarantineEvent(15, 4),), holdout_quarantine(16, 1))  # out only from step 4
 
 
 def test_bad_eval_settings_get_one_line_naming_the_key(default_dataset):
@@ -101,7 +135,7 @@ def test_an_eval_dataset_of_its_own_is_read_whole_and_must_speak_the_training_to
 @pytest.mark.parametrize("overrides, key", [
     (["eval.every_steps=5"], "eval.every_steps: evaluation needs held-out data"),
     (["eval.every_steps=5", "eval.holdout_shards=1", "eval.dataset=/x"], "eval.dataset: set either"),
-    (["eval.holdout_shards=1"], "eval.holdout_shards: eval.every_steps is 0"),
+    (["eval.dataset=/x"], "eval.dataset: eval.every_steps is 0"),
     (["eval.batches=-1"], "eval.batches: must be >= 0"),
 ])
 def test_inconsistent_eval_keys_are_refused_at_load(tmp_path, overrides, key):
@@ -115,20 +149,20 @@ def test_inconsistent_eval_keys_are_refused_at_load(tmp_path, overrides, key):
 def test_the_eval_loss_has_the_same_bits_on_every_layout_and_shard_assignment(tmp_path, default_dataset):
     """Fresh params (the same on every mesh), evaluated on 8 devices (the uneven-assignment program
     of a 2-host world: uniform, then moved shards), 8 devices as one host (the counted loop), 4
-    devices as data 2 x fsdp 2, 3 devices (padding shards) and 1 device."""
-    layouts = [(8, [], 2), (8, [], 1), (4, ["parallel.data=2", "parallel.fsdp=2"], 1), (3, [], 1), (1, [], 1)]
+    devices as data 2 x fsdp 2, 5 devices (24 shards padded to 25) and 1 device."""
+    layouts = [(8, [], 2), (8, [], 1), (4, ["parallel.data=2", "parallel.fsdp=2"], 1), (5, [], 1), (1, [], 1)]
     losses = []
     for devices, overrides, hosts in layouts:
         trainer = Trainer(tiny_config(tmp_path / str(devices), *EVAL, *overrides), devices=jax.devices()[:devices],
                           hosts=hosts)
-        loop_eval = evaluation.Evaluator(trainer.evalset, trainer.evaluate, trainer._place, trainer.local_rows,
-                                         lambda: trainer.layout)
+        evaluator = evaluation.Evaluator(trainer)
         params = trainer.fresh_state().params
-        losses.append(loop_eval.run(params, 0).loss)
+        losses.append(evaluator.run(params, 0).loss)
         if hosts == 2:  # shards moved between devices, as the proportional assignment does
             trainer.set_layout([5, 5, 4, 2, 2, 2, 2, 2])
-            losses.append(loop_eval.run(params, 0).loss)
-        loop_eval.close()
+            losses.append(evaluator.run(params, 0).loss)
+            assert trainer.evaluate._cache_size() == 1  # a new layout is an input, not a new program
+        evaluator.close()
     assert len(set(losses)) == 1, losses
     assert 4.0 < losses[0] < 7.0  # ~log(256): an untrained byte model
 
@@ -159,6 +193,8 @@ def test_a_run_evaluates_every_n_steps_once_per_step_across_resumes_with_the_ref
     summary = read_summary(run_dir)
     assert summary["eval"]["last"]["step"] == 4 and summary["eval"]["source"] == "holdout"
     assert summary["eval"]["last"]["loss"] == evals[4]["loss"]
+    assert {"shard": 14, "from_step": 0} in summary["data_position"]["quarantine"]  # never trained on
+    assert {"shard": 15, "from_step": 0} in summary["data_position"]["quarantine"]
     assert f"eval loss {evals[4]['loss']:.4f} (step 4)" in again.stdout
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -167,6 +203,15 @@ def test_a_run_evaluates_every_n_steps_once_per_step_across_resumes_with_the_ref
     tb.Reload()
     assert [e.step for e in tb.Scalars("eval/loss")] == [2, 4]
     assert [e.step for e in tb.Scalars("eval/perplexity")] == [2, 4]
+
+    # Holding out a shard the run trained on is refused on resume, in one line, nothing written.
+    before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    more = run_cli(*argv, "--set", "eval.holdout_shards=3", "--set", "train.steps=6",
+                   "--allow-config-change", "eval.holdout_shards,train.steps")
+    assert more.returncode == 2, more.stdout[-2000:] + more.stderr[-2000:]
+    assert "error: config key eval.holdout_shards: the run being resumed trained on shard(s) 13" in more.stderr
+    assert len(more.stderr.strip().splitlines()) == 1 and "Traceback" not in more.stderr
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
 
     reference = Trainer(tiny_config(tmp_path / "ref", *EVAL, "train.steps=4", "checkpoint.enabled=false",
                                     "parallel.data=2", "parallel.fsdp=2"), devices=jax.devices()[:4]).run()

@@ -4,6 +4,7 @@ my_model.py and train_bigram.py in a fresh directory (beside a copy of configs/)
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -41,6 +42,8 @@ def test_the_readme_example_trains_a_model_of_your_own_elastically_through_a_kil
                           timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     printed = proc.stdout.strip().splitlines()[-1]
+    run = json.loads((tmp_path / "runs" / "bigram" / "summary.json").read_text())
+    assert run["failures_absorbed"] == 1 and run["worker_exit_codes"]["h1"] == -9  # the kill did happen
 
     # The same run without the kill, in one process on 8 devices: the invariant reduction makes it
     # the 4-host trajectory.

@@ -55,6 +55,18 @@ def holdout_quarantine(num_shards: int, holdout: int) -> tuple[QuarantineEvent, 
     return tuple(QuarantineEvent(s, 0) for s in holdout_shard_ids(num_shards, holdout)) if holdout else ()
 
 
+def check_held_out(position_quarantine, holdout: tuple[QuarantineEvent, ...]) -> None:
+    """A resume must not hold out shards its run has trained on: each shard eval.holdout_shards
+    names now must be in the saved position's quarantine from step 0. (Fewer held-out shards than
+    before is fine: the others stay out of training, as they were.)"""
+    trained_on = sorted(e.shard for e in holdout if e not in set(position_quarantine))
+    if trained_on:
+        raise DatasetError(
+            f"config key eval.holdout_shards: the run being resumed trained on shard(s) "
+            f"{', '.join(map(str, trained_on))}, so evaluating on them would measure training data; resume with "
+            "the eval.holdout_shards the run started with, or start a new run.dir")
+
+
 def build_eval_set(cfg: EvalConfig, train: Manifest, global_batch: int, verified: Manifest | None = None, *,
                    verify: bool = True) -> EvalSet | None:
     """The eval set of a run (None when it evaluates nothing). `verified`: an eval dataset this

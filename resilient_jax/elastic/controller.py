@@ -52,7 +52,6 @@ from typing import Any, Callable
 
 from resilient_jax.elastic import channel, membership, stragglers
 from resilient_jax.elastic.tls import ServerTls, connect_host
-from resilient_jax.metrics import describe as describe_event
 from resilient_jax.run_history import DONE, RunHistory
 from resilient_jax.elastic.world import CoordinationService
 
@@ -285,14 +284,11 @@ class Controller:
             abort = generation in self.broken
             if stalled_seconds > 0 and not abort and self.world is not None and generation == self.world.generation:
                 self._record_stall(host, step + 1, stalled_seconds, deadline_seconds)
-            for record in evals or ():
-                if isinstance(record, dict) and record.get("step") not in self._eval_steps:
-                    self._eval_steps.add(record.get("step"))
-                    self.console(describe_event(record))
             for k, loss, tokens_per_s in progress or ():
                 self._print_progress(generation, k, loss, tokens_per_s)
                 if k == 1 and self._history_begun:
                     self.history.first_loss = loss
+            self._print_evals(evals)
             if self._history_begun and step > self.history.current.last_step:
                 self.history.current.last_step = step  # saved with status.json, below
             if time.monotonic() - self._status_written > 1.0:  # keep status.json's steps fresh, cheaply
@@ -418,8 +414,11 @@ class Controller:
                 self.stop_reason = reason
                 self._write_status()
 
-    def done(self, host: str, summary: dict, reassignments: list | None = None) -> dict:
-        """The final rank 0's summary; `reassignments`: its re-plans not yet sent by a heartbeat."""
+    def done(self, host: str, summary: dict, reassignments: list | None = None, evals: list | None = None) -> dict:
+        """The final rank 0's summary; `reassignments`, `evals`: its re-plans and evaluations not
+        yet sent by a heartbeat."""
+        with self._lock:
+            self._print_evals(evals)
         for event in reassignments or ():
             self.reassign(host, self.world.generation if self.world else 0, event)
         with self._lock:
@@ -536,6 +535,18 @@ class Controller:
     def _failure_message(self) -> str:
         first = self.failures[0]
         return f"worker {first['host']} failed: {first['error']}"
+
+    def _print_evals(self, evals: list | None) -> None:
+        """Each evaluation once (every member reports it; a world that resumed at an eval step
+        reports it again)."""
+        if not evals:
+            return
+        from resilient_jax.metrics import describe  # not at import: it brings TensorBoard's writer
+
+        for record in evals:
+            if isinstance(record, dict) and record.get("step") not in self._eval_steps:
+                self._eval_steps.add(record.get("step"))
+                self.console(describe(record))
 
     def _print_progress(self, generation: int, step: int, loss: float, tokens_per_s: float) -> None:
         if step <= self._progress_step:

@@ -114,8 +114,13 @@ def run_elastic(cfg: Config, *, resume: str | None = None, allow_config_change: 
     else:
         print(f"done: step {summary['final_step']} | generations {summary['generations']} | failures absorbed "
               f"{summary['failures_absorbed']} | restarts {summary['restarts']} | steps lost {summary['steps_lost']} | "
-              f"fingerprint {summary['params_fingerprint'][:16]}", flush=True)
+              f"fingerprint {summary['params_fingerprint'][:16]}{_eval_tail(summary)}", flush=True)
     return summary
+
+
+def _eval_tail(summary: dict) -> str:
+    last = (summary.get("eval") or {}).get("last")
+    return "" if last is None else f" | eval loss {last['loss']:.4f} (step {last['step']})"
 
 
 def _drive(cfg: Config, run_dir: Path, options: dict, history: RunHistory) -> dict:

@@ -121,6 +121,12 @@ class Heartbeat(threading.Thread):
         with self._lock:
             self._reassignments.append(event)
 
+    def take_evals(self) -> list[dict]:
+        """The evaluations not sent yet (the last rank 0 hands them over with its summary)."""
+        with self._lock:
+            taken, self._evals = self._evals, []
+        return taken
+
     def take_reassignments(self) -> list[dict]:
         """The re-plans not sent yet (the last rank 0 hands them over with its summary)."""
         with self._lock:
@@ -685,13 +691,16 @@ class Worker:
             log.info("stopped (%s) at step %d with a checkpoint", stopped, step)
         if jax.process_index() == 0:
             self.client.call("/done", retry_seconds=30, host=self.host, summary=summary,
-                             reassignments=self.heartbeat.take_reassignments())
+                             reassignments=self.heartbeat.take_reassignments(), evals=self.heartbeat.take_evals())
         return (Event.STOPPED, f"{stopped} at step {step}") if stopped else (Event.FINISHED, f"step {step}")
 
     def _evaluate(self, loop, state, step: int) -> None:
         record = loop.evaluate_if_due(state, step)
         if record is not None:
             self.heartbeat.report_eval(record.to_event())
+            if self._last_progress is not None:  # tokens/s counts training time, not evaluating
+                last_step, at = self._last_progress
+                self._last_progress = (last_step, at + record.seconds)
 
     def _report_progress(self, step: int, seconds: float, loop) -> None:
         """Every train.log_every steps (and the first and last): loss and tokens/s over the window,
