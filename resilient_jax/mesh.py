@@ -121,6 +121,20 @@ def check_model_layout(model, sizes: dict[str, int]) -> None:
         )
 
 
+def check_param_layout(factory: str, shapes: dict[str, tuple[int, ...]], logical: dict[str, tuple],
+                       sizes: dict[str, int]) -> None:
+    """Refuse, before any compile, a mesh whose fsdp / tensor size does not divide a param dim its
+    logical axis puts on that mesh axis (`shapes`, `logical`: by param path). For a model of your
+    own, whose dims no model.* key names."""
+    for where, shape in shapes.items():
+        for dim, name in zip(shape, logical[where]):
+            axis = LOGICAL_RULES.get(name) if name is not None else None
+            if axis is not None and dim % sizes[axis]:
+                raise ValueError(
+                    f"parallel.{axis} ({sizes[axis]}) must divide dim {name!r} ({dim}) of param {where} "
+                    f"{tuple(shape)} of model.factory {factory}; use a {axis} size in {_divisors(dim)}")
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, min(n, 64) + 1) if n % d == 0]
 

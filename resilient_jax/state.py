@@ -67,6 +67,17 @@ class ModelDef:
                 f"config key model.factory: {self.cfg.factory} must return float logits [B, L, vocab] with "
                 f"vocab >= the dataset's {vocab_size}; for tokens [2, {seq_len}] it returned {got}")
 
+    def check_layout(self, sizes: dict[str, int]) -> None:
+        """Refuse (one line naming the key) an fsdp / tensor size that cannot split the params."""
+        if self.builtin:
+            mesh_lib.check_model_layout(self.cfg, sizes)  # names the model.* key
+            return
+        shapes = jax.eval_shape(self.init_params, jax.random.key(0))
+        flat = {"/".join(str(getattr(k, "key", k)) for k in path): tuple(leaf.shape)
+                for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]}
+        axes = jax.tree.leaves(self.logical_axes, is_leaf=lambda x: isinstance(x, tuple))
+        mesh_lib.check_param_layout(self.cfg.factory, flat, dict(zip(flat, axes)), sizes)
+
     @property
     def layer_axes(self):
         """Logical axes of ONE block's params, as `prepare_layer` sees them (no "layers" dim)."""

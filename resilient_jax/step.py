@@ -317,7 +317,7 @@ class _GridSpecs:
         if plan.devices != mesh_lib.grid_size(mesh):
             raise ValueError(f"the shard plan is for {plan.devices} devices, the mesh's data x fsdp grid has "
                              f"{mesh_lib.grid_size(mesh)}")
-        mesh_lib.check_model_layout(model_def.cfg, dict(mesh.shape))
+        model_def.check_layout(dict(mesh.shape))
         data, fsdp, tensor = mesh_lib.DATA_AXIS, mesh_lib.FSDP_AXIS, mesh_lib.TENSOR_AXIS
         manual = frozenset({data, fsdp} | ({tensor} if mesh.shape[tensor] == 1 else set()))
         param_specs = mesh_lib.specs_from_logical(model_def.logical_axes)

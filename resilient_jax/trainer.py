@@ -138,11 +138,11 @@ class Trainer:
         )
         self.layout = self.plan.layout()
         self._grid_processes = self._owners_of_grid()
-        mesh_lib.check_model_layout(cfg.model, dict(self.mesh.shape))
+        self.model_def = state_lib.make_model_def(cfg.model, cfg.task.import_dir)
+        self.model_def.check_layout(dict(self.mesh.shape))  # before the dataset is hashed
         self.manifest = resolve_dataset(cfg.data, verified_dataset)
         # Held-out data (None: no evaluation); checked against the training data before any step.
         self.evalset = build_eval_set(cfg.eval, self.manifest, cfg.data.global_batch, verified_eval_dataset)
-        self.model_def = state_lib.make_model_def(cfg.model, cfg.task.import_dir)
         if not self.model_def.builtin:
             self.model_def.check_output(cfg.data.seq_len, self.manifest.vocab_size)
         elif self.manifest.vocab_size > cfg.model.vocab_size:

@@ -200,3 +200,16 @@ def test_the_public_api_trains_a_user_model_and_loss_whose_checkpoint_reads_back
     assert doubled["first_loss"] == pytest.approx(2 * plain["first_loss"], rel=1e-6)
     weights = reader.load(tmp_path / "plain" / "checkpoints" / "2").weights
     assert resilient_jax.fingerprint(weights) == plain["params_fingerprint"]
+
+
+def test_a_mesh_that_cannot_split_a_user_models_param_is_refused_naming_the_axis_and_param(user_dir):
+    """The built-in model's check names model.* keys; a model of your own is checked on its params'
+    shapes: here a vocab dim of 250 that parallel.tensor 4 cannot split (and the default model
+    fields, which do not describe this model, are not what refuses it)."""
+    model_def = make_model_def(model_cfg("good", vocab=250), str(user_dir))
+    model_def.check_layout({"data": 1, "fsdp": 1, "tensor": 2})
+    model_def.check_layout({"data": 1, "fsdp": 3, "tensor": 1})  # no dim of it is on fsdp
+    with pytest.raises(ValueError) as e:
+        model_def.check_layout({"data": 1, "fsdp": 1, "tensor": 4})
+    assert str(e.value) == ("parallel.tensor (4) must divide dim 'vocab' (250) of param table (250, 250) of "
+                            "model.factory h13_user_models:good; use a tensor size in [1, 2, 5, 10, 25, 50]")
