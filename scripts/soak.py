@@ -142,7 +142,10 @@ def train_cmd(config: str, run_dir: Path, steps: int, faults: list[str], sets: t
 
 def run_with_preemptions(cmd: list[str], run_dir: Path, sigterms: list[int], log) -> list[int]:
     """Runs `cmd`; at each step in `sigterms` sends SIGTERM to its whole process group and runs it
-    again. Returns the exit codes of the invocations (143 for each preemption, then 0)."""
+    again. Returns the exit codes of the invocations (143 for each preemption, then 0). Each
+    invocation's summary.json is kept beside the run as `<run>.summary-<i>.json`: the next
+    invocation rewrites summary.json, and the failures, stalls and quarantines it lists are that
+    invocation's."""
     codes = []
     for target in [*sigterms, None]:
         before = _last_step(run_dir)  # the step this invocation resumes after
@@ -161,12 +164,18 @@ def run_with_preemptions(cmd: list[str], run_dir: Path, sigterms: list[int], log
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
+        if (run_dir / "summary.json").is_file():
+            shutil.copyfile(run_dir / "summary.json", invocation_summary(run_dir, len(codes) - 1))
         if codes[-1] not in (0, 143) or (target is None and codes[-1] != 0):
             raise SystemExit(f"soak: invocation {len(codes)} exited {codes[-1]}; see {out.name} and "
                              f"{run_dir}/elastic/logs")
         if codes[-1] == 0:
             break
     return codes
+
+
+def invocation_summary(run_dir: Path, i: int) -> Path:
+    return run_dir.parent / f"{run_dir.name}.summary-{i}.json"
 
 
 def _last_step(run_dir: Path) -> int:
@@ -197,11 +206,12 @@ def verify_checkpoints(run_dir: Path) -> list[tuple[int, bool, str]]:
     return out
 
 
-def row_for(what: str, step: int, summary: dict) -> str:
-    """What the run recorded for one drawn fault."""
-    events = summary["events"]
+def row_for(what: str, step: int, summaries: list[dict]) -> str:
+    """What the run recorded for one drawn fault, from every invocation's summary (the last one's
+    `resumed_from` spans the run)."""
+    events = [e for s in summaries for e in s["events"]]
     if what.startswith("SIGTERM"):
-        hit = [r for r in summary["resumed_from"] if r["reason"] == "preempted"]
+        hit = [r for r in summaries[-1]["resumed_from"] if r["reason"] == "preempted"]
         return f"stopped and resumed ({len(hit)} preemption resume(s) recorded)" if hit else "NO preempted resume"
     kind, _, rest = what.partition(":")
     target = rest.split("@")[0]
@@ -217,17 +227,18 @@ def row_for(what: str, step: int, summary: dict) -> str:
         host = f"h{target}"
         from resilient_jax.assignment import first_move_away
 
-        moved = first_move_away((summary.get("assignment") or {}).get("decisions", []), host)
+        decisions = [d for s in summaries for d in (s.get("assignment") or {}).get("decisions", [])]
+        moved = first_move_away(decisions, host)
         if moved:
             i = moved["hosts"].index(host)
             return (f"its shards moved to faster hosts at step {moved['step']} "
                     f"({moved['old_shards'][i]} -> {moved['new_shards'][i]})")
         return "not reslotted, no shards moved (see straggler_decisions, assignment)"
     if kind == "delay_host":
-        stalls = [s for s in summary["stalls"] if s["late_host"] == f"h{target}"]
+        stalls = [s for summary in summaries for s in summary["stalls"] if s["late_host"] == f"h{target}"]
         return f"waited out a {stalls[0]['waited_seconds']:.1f} s stall" if stalls else "no stall recorded (absorbed)"
     if kind == "nan_shard":
-        hits = [q for q in summary["quarantine_events"] if q["shard"] == int(target)]
+        hits = [q for s in summaries for q in s["quarantine_events"] if q["shard"] == int(target)]
         return f"quarantined shard {target} from step {hits[0]['from_step']}" if hits else "NOT quarantined"
     return "?"
 
@@ -302,10 +313,14 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = out / "run"
     codes = run_with_preemptions(train_cmd(args.config, run_dir, args.steps, schedule.faults), run_dir,
                                  schedule.sigterms, log)
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summaries = [json.loads(invocation_summary(run_dir, i).read_text()) for i in range(len(codes))]
+    summary = summaries[-1]
     soak_seconds = time.perf_counter() - started
 
-    quarantine = ", ".join(f"{{shard: {q['shard']}, from_step: {q['from_step']}}}" for q in summary["quarantine_events"])
+    # The run's own record of what it left out: the data position (every invocation's quarantines,
+    # in the checkpoints and the final summary), not one invocation's quarantine events.
+    quarantine = ", ".join(f"{{shard: {q['shard']}, from_step: {q['from_step']}}}"
+                           for q in summary["data_position"]["quarantine"])
     log(f"soak: the fault-free reference (data.quarantine=[{quarantine}]) ...")
     ref_dir = out / "reference"
     ref = subprocess.run(train_cmd(args.config, ref_dir, args.steps, [], ("checkpoint.enabled=false",
@@ -315,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     reference = json.loads((ref_dir / "summary.json").read_text())["params_fingerprint"]
     verified = verify_checkpoints(run_dir)
 
-    rows = [(step, what, row_for(what, step, summary)) for step, what in schedule.drawn]
+    rows = [(step, what, row_for(what, step, summaries)) for step, what in schedule.drawn]
     checks = {
         "restarts == 0": summary["restarts"] == 0,
         "steps lost == 0": summary["steps_lost"] == 0,
@@ -330,15 +345,18 @@ def main(argv: list[str] | None = None) -> int:
         "seed": args.seed, "faults": args.faults, "steps": args.steps, "config": args.config,
         "schedule": asdict(schedule), "exit_codes": codes, "checks": checks, "soak_seconds": soak_seconds,
         "reference_fingerprint": reference, "checkpoints": verified, "rows": rows,
-        "summary": {k: summary[k] for k in ("restarts", "steps_lost", "generations", "failures_absorbed",
-                                           "params_fingerprint", "resumed_from", "final_step")},
+        "summary": {k: summary[k] for k in ("restarts", "steps_lost", "params_fingerprint", "resumed_from",
+                                           "final_step")},
+        "invocations": [{k: s[k] for k in ("generations", "failures_absorbed", "stopped")} for s in summaries],
     }, indent=2, default=str))
     plot_timeline(out, run_dir, schedule)
     log("\n".join(table))
     for name, ok in checks.items():
         log(f"  {'ok ' if ok else 'FAIL'} {name}")
-    log(f"soak: {'every check holds' if all(checks.values()) else 'FAILED'}; {summary['generations']} generations, "
-        f"{summary['failures_absorbed']} failures absorbed, {len(verified)} checkpoints verified, "
+    generations = sum(s["generations"] for s in summaries)
+    absorbed = sum(s["failures_absorbed"] for s in summaries)
+    log(f"soak: {'every check holds' if all(checks.values()) else 'FAILED'}; {len(summaries)} invocations, "
+        f"{generations} generations, {absorbed} failures absorbed, {len(verified)} checkpoints verified, "
         f"{soak_seconds:.0f} s; {out}")
     return 0 if all(checks.values()) else 1
 

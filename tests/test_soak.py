@@ -82,3 +82,18 @@ def test_a_short_soak_holds_every_invariant(tmp_path, default_dataset):
     assert recorded["nan_shard"].startswith("quarantined shard 5")
     assert recorded["kill_region"].startswith("re-formed without h0, h1")
     assert (out / "timeline.png").stat().st_size > 0
+
+
+def test_the_report_reads_every_invocation_a_preemption_split_the_run_into():
+    """A fault absorbed before a cluster-wide SIGTERM is in the first invocation's summary only (the
+    rerun rewrites summary.json): the row must still say what the run did (seed 41 once reported
+    'NOT quarantined' and 'no failure recorded' for all of them)."""
+    empty = {"events": [], "stalls": [], "quarantine_events": [], "resumed_from": [], "assignment": None}
+    first = {**empty, "events": [{"reason": "failure", "resume_step": 16, "lost": ["h2", "h3"], "generation": 1,
+                                  "recovery_seconds": 4.5}],
+             "quarantine_events": [{"shard": 1, "from_step": 12, "step": 13, "samples": [7]}]}
+    last = {**empty, "resumed_from": [{"reason": "preempted", "step": 45}]}
+    assert soak.row_for("nan_shard:1@12", 12, [first, last]) == "quarantined shard 1 from step 12"
+    assert soak.row_for("kill_region:eu@16", 16, [first, last]).startswith("re-formed without h2, h3 (generation 1")
+    assert soak.row_for("SIGTERM to the driver and every worker", 44, [first, last]).startswith("stopped and resumed")
+    assert soak.row_for("nan_shard:1@12", 12, [last]) == "NOT quarantined"
