@@ -228,7 +228,7 @@ def row_for(what: str, step: int, summaries: list[dict]) -> str:
         from resilient_jax.assignment import first_move_away
 
         decisions = [d for s in summaries for d in (s.get("assignment") or {}).get("decisions", [])]
-        moved = first_move_away(decisions, host)
+        moved = first_move_away(decisions, host, after_step=step)  # not an earlier invocation's move
         if moved:
             i = moved["hosts"].index(host)
             return (f"its shards moved to faster hosts at step {moved['step']} "

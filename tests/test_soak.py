@@ -97,3 +97,8 @@ def test_the_report_reads_every_invocation_a_preemption_split_the_run_into():
     assert soak.row_for("kill_region:eu@16", 16, [first, last]).startswith("re-formed without h2, h3 (generation 1")
     assert soak.row_for("SIGTERM to the driver and every worker", 44, [first, last]).startswith("stopped and resumed")
     assert soak.row_for("nan_shard:1@12", 12, [last]) == "NOT quarantined"
+    # A slow host's row is the first move of its shards after it slowed, not an earlier one.
+    move = {"kind": "rebalance", "hosts": ["h0", "h1"], "old_shards": [6, 6]}
+    first["assignment"] = {"decisions": [{**move, "step": 11, "new_shards": [4, 8]}]}
+    last["assignment"] = {"decisions": [{**move, "step": 68, "new_shards": [1, 11]}]}
+    assert soak.row_for("slow_host:0@64:4", 64, [first, last]).endswith("at step 68 (6 -> 1)")
