@@ -18,16 +18,24 @@ commit files; no reader lists either and the next store removes both on open.
     topology, provenance
     manifest                 format version, array shapes/dtypes, per-context sha256 (process 0)
 
-Asynchronous saves: `save` returns once orbax has copied the arrays off the devices (the caller
-may then donate the state); nothing else copies the state. A failed background write or commit
-(e.g. a full disk) surfaces as CheckpointSaveError at the next `save`, `wait` or `close`, and its
-temporary or uncommitted directory is removed; committed steps are never touched.
+Asynchronous saves: `save` dispatches one copy of each unique shard of the state off the devices
+(`snapshot.py`) and returns; the caller may then donate the state. Orbax's own save call -- its
+barriers, directory creation, metadata and the copy to host numpy that it writes from -- runs on
+the store's saver thread, so its fixed cost (0.1-0.2 s per save, mostly starting its writer
+threads) is not paid by the training thread. At most one save waits to start: a `save` while the
+previous one has not yet reached orbax waits for it. A failed background write or commit (e.g. a
+full disk) surfaces as CheckpointSaveError at the next `save`, `wait` or `close`, and its temporary
+or uncommitted directory is removed; committed steps are never touched.
 
-`save` must be called on every process with the same step (orbax synchronises them).
+`save` must be called on every process with the same step (orbax synchronises them). With several
+processes orbax's barriers go through the coordination service's key-value barriers
+(`use_distributed_barriers`), not device collectives: a collective issued from the saver thread
+could interleave with the training step's collectives in a different order on each process.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import gc
 import logging
 import os
@@ -41,7 +49,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from resilient_jax.checkpoint import checksums, commit, orbax_errors, reader
+from resilient_jax.checkpoint import checksums, commit, orbax_errors, reader, snapshot
 from resilient_jax.checkpoint.reader import (
     ARRAY_FIELDS, CONTEXT_FIELDS, FIELDS, FORMAT_VERSION, MANIFEST, CheckpointError, json_sha256,
 )
@@ -67,6 +75,13 @@ class _CommittingManager(ocp.CheckpointManager):
             raise RuntimeError("orbax.checkpoint.CheckpointManager has no _checkpoint_deleter any more: "
                                "resilient_jax.checkpoint.store._UncommitFirst must follow it")
         self._checkpoint_deleter = _UncommitFirst(inner, Path(directory))
+
+    def reached_preemption(self, step: int) -> bool:
+        # Preemption is ours to handle (preemption.PreemptionWatch, on the training thread, at every
+        # step); orbax would ask JAX's preemption sync point again, for an older step and from the
+        # saver thread. Our saves are forced, so its answer changed nothing but a log line.
+        del step
+        return False
 
     def _finalize_checkpoint(self, step: int):
         super()._finalize_checkpoint(step)
@@ -121,6 +136,17 @@ REPLICA_PARALLEL_MIN_SLICE_BYTES = 4 << 20
 _configured_for: int | None = None
 
 
+def use_distributed_barriers() -> None:
+    """Orbax's barriers through the coordination service (see the module docstring). Its absl flag
+    is read with `.value`, which refuses flags that were never parsed: parse just this one."""
+    from absl import flags
+    from orbax.checkpoint._src.multihost import multihost
+
+    flag = flags.FLAGS[multihost.EXPERIMENTAL_ORBAX_USE_DISTRIBUTED_BARRIER.name]
+    if not flag.value:
+        flag.parse("true")
+
+
 def configure_array_writes() -> None:
     """Registers orbax's jax.Array handler with the replica-parallel setting above (process-wide)."""
     global _configured_for
@@ -128,6 +154,7 @@ def configure_array_writes() -> None:
 
     if _configured_for == jax.process_count():
         return
+    use_distributed_barriers()
     handler = ocp.type_handlers.ArrayHandler(
         array_metadata_store=array_metadata_store.Store(),
         use_replica_parallel=jax.process_count() > 1,
@@ -187,6 +214,10 @@ class CheckpointStore:
         )
         self._manager = _CommittingManager(self.root, options=options, item_handlers=handlers)
         self._pending_step: int | None = None
+        self._async = async_save
+        # Orbax's save call (see the module docstring), one at a time, in the order of `save`.
+        self._saver = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint-save")
+        self._starting: concurrent.futures.Future | None = None
 
     # -- listing ------------------------------------------------------------------------------------
 
@@ -207,26 +238,54 @@ class CheckpointStore:
         missing = [name for name in CONTEXT_FIELDS if name not in context]
         if missing:
             raise ValueError(f"context lacks field(s) {', '.join(missing)}")
+        self._await_started()
         self._raise_failed_save()
+        self._pending_step = step
+        if self._async:
+            # The one thing the training thread waits for: the copies off the devices.
+            params, opt_state = snapshot.take(state.params), snapshot.take(state.opt_state)
+            self._starting = self._saver.submit(
+                lambda: self._orbax_save(step, type(state)(params=params.arrays(), opt_state=opt_state.arrays()),
+                                         context))
+            return
+        try:
+            self._orbax_save(step, state, context)
+        except Exception as e:
+            self._fail(step, e)
+
+    def _orbax_save(self, step: int, state, context: dict[str, dict[str, Any]]) -> None:
         args = ocp.args.Composite(
             weights=ocp.args.StandardSave(state.params),
             optimizer=ocp.args.StandardSave(state.opt_state),
             **{name: ocp.args.JsonSave(context[name]) for name in CONTEXT_FIELDS},
             **{MANIFEST: ocp.args.JsonSave(_manifest(step, state, context))},
         )
-        self._pending_step = step
-        try:
-            self._manager.save(step, args=args, force=True)
-        except Exception as e:
-            self._fail(step, e)
+        self._manager.save(step, args=args, force=True)
 
     def wait(self) -> None:
         """Blocks until the last save committed; raises CheckpointSaveError if it failed."""
+        self._await_started()
         try:
             self._manager.wait_until_finished()
         except Exception as e:
             self._fail(self._pending_step, e)
         self._pending_step = None
+
+    def _await_started(self) -> None:
+        """Waits until the saver thread has handed the last save to orbax; raises its error."""
+        starting, self._starting = self._starting, None
+        if starting is None:
+            return
+        try:
+            starting.result()
+        except Exception as e:
+            self._fail(self._pending_step, e)
+
+    def _take_failure(self) -> None:
+        try:
+            self._manager.wait_until_finished()
+        except Exception:
+            pass  # the failure being reported
 
     def _raise_failed_save(self) -> None:
         # orbax re-raises a background failure on the next call that waits; make it ours.
@@ -239,6 +298,9 @@ class CheckpointStore:
         # The first failing item ends the save, but other items' writes may still be running and
         # would recreate the temporary directory after we removed it: let them finish first.
         orbax_errors.join_background_writes()
+        # Orbax raises a failed background commit once per thread that waits for it: let the saver
+        # thread take it now, or it would come back as the next save's failure.
+        self._saver.submit(self._take_failure).result()
         if jax.process_index() == 0:
             remove_temporary(self.root)
         self._manager.reload()  # orbax listed the step it renamed; it is gone again
@@ -260,6 +322,7 @@ class CheckpointStore:
         try:
             self.wait()
         finally:
+            self._saver.shutdown(wait=True)
             self._manager.close()
 
     # -- restoring ------------------------------------------------------------------------------------

@@ -1,0 +1,84 @@
+"""The asynchronous save's copy off the devices (checkpoint/snapshot.py) and the saver thread that
+takes orbax's save call off the training thread (checkpoint/store.py)."""
+
+from __future__ import annotations
+
+import collections
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from resilient_jax.checkpoint import reader, snapshot
+from resilient_jax.checkpoint.store import CheckpointStore
+
+from test_checkpoint_errors import State, _context
+
+
+def _mesh(data: int, fsdp: int):
+    return jax.make_mesh((data, fsdp, 8 // (data * fsdp)), ("data", "fsdp", "tensor"))
+
+
+@pytest.mark.parametrize("data,fsdp,spec", [(8, 1, P()), (4, 2, P("fsdp")), (2, 2, P("fsdp", "tensor")),
+                                            (2, 4, P(None, "fsdp"))])
+def test_the_writer_sharding_keeps_one_device_for_each_shard(data, fsdp, spec):
+    sharding = NamedSharding(_mesh(data, fsdp), spec)
+    shape = (8, 8)
+    shards = {tuple((s.start, s.stop) for s in idx) for idx in sharding.devices_indices_map(shape).values()}
+    writer = snapshot.writer_sharding(sharding)
+    written = [tuple((s.start, s.stop) for s in idx) for idx in writer.devices_indices_map(shape).values()]
+    assert sorted(written) == sorted(shards)  # each shard exactly once
+    for device, idx in writer.devices_indices_map(shape).items():  # and from a device that holds it
+        assert sharding.devices_indices_map(shape)[device] == idx
+
+
+def test_the_writes_of_replicated_arrays_spread_over_replicas():
+    sharding = NamedSharding(_mesh(4, 2), P("fsdp"))
+    used = collections.Counter(d for offset in range(8)
+                               for d in snapshot.writer_sharding(sharding, offset).device_set)
+    assert len(used) == 8 and set(used.values()) == {2}, used
+
+
+def test_the_snapshot_survives_the_donation_of_the_state_bit_for_bit():
+    mesh = _mesh(4, 2)
+    r = np.random.default_rng(0)
+    host = {"w": r.standard_normal((16, 8), np.float32), "b": r.standard_normal((8,), np.float32),
+            "count": np.int32(7)}
+    specs = {"w": P("fsdp"), "b": P(), "count": P()}
+    tree = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in host.items()}
+    taken = snapshot.take(tree)
+    donate = jax.jit(lambda t: jax.tree.map(lambda x: x + 1, t), donate_argnums=0)
+    jax.block_until_ready(donate(tree))
+    assert all(leaf.is_deleted() for leaf in jax.tree.leaves(tree))  # the state really was donated
+    arrays = taken.arrays()
+    for key, value in host.items():
+        assert arrays[key].shape == np.shape(value)
+        assert np.asarray(arrays[key]).tobytes() == np.asarray(value).tobytes(), key
+
+
+def test_save_returns_while_orbax_is_still_inside_its_save_call(tmp_path, monkeypatch):
+    """The training thread pays for the copies only: orbax's save call (barriers, directories,
+    writer threads) runs on the store's saver thread; the checkpoint still commits."""
+    store = CheckpointStore(tmp_path / "ckpt", async_save=True)
+    entered, release = threading.Event(), threading.Event()
+    orbax_save = store._manager.save
+
+    def held_save(*args, **kwargs):
+        entered.set()
+        assert threading.current_thread() is not threading.main_thread()
+        release.wait(60)
+        return orbax_save(*args, **kwargs)
+
+    monkeypatch.setattr(store._manager, "save", held_save)
+    state = State({"w": jnp.arange(64.0)}, {"m": jnp.ones((4, 4))})
+    store.save(1, state, _context(1))  # returns although orbax's call cannot finish yet
+    assert entered.wait(60) and reader.list_steps(tmp_path / "ckpt") == []
+    release.set()
+    store.close()
+    assert reader.list_steps(tmp_path / "ckpt") == [1]
+    restored = CheckpointStore.restore_arrays(tmp_path / "ckpt" / "1", jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state))
+    assert np.asarray(restored.params["w"]).tobytes() == np.arange(64.0, dtype=np.float32).tobytes()
