@@ -8,9 +8,9 @@ For each config, on the trainer's real step (data loader, compute, apply) and re
                        thread loses to an asynchronous save (median over saves). On a 2-core
                        machine the step right after the call shares the cores (and the GIL) with
                        orbax's writer threads starting up, so this includes that contention
-    async.save_call_s  the save call alone: dispatching one copy of each unique shard off the
-                       devices (checkpoint/snapshot.py); orbax's own save call runs on the store's
-                       saver thread
+    async.save_call_s  the save call alone: one copy of each unique shard off the devices
+                       (checkpoint/snapshot.py: a numpy memcpy on CPU, a DMA into pinned host
+                       memory on GPU); orbax's own save call runs on the store's saver thread
     async.background_overhead_s   extra step time while the background write was running
     async.commit_s     save call -> committed step (background write, rename, crc32c of the files,
                        commit files)

@@ -42,20 +42,23 @@ def test_the_writes_of_replicated_arrays_spread_over_replicas():
     assert len(used) == 8 and set(used.values()) == {2}, used
 
 
-def test_the_snapshot_survives_the_donation_of_the_state_bit_for_bit():
+@pytest.mark.parametrize("with_numpy", [True, False], ids=["numpy-memcpy", "device_put-pinned_host"])
+def test_the_snapshot_survives_the_donation_of_the_state_bit_for_bit(with_numpy):
+    """Both ways of copying (CPU's default, and the device_put into pinned host memory that GPUs
+    use), on CPU devices."""
     mesh = _mesh(4, 2)
     r = np.random.default_rng(0)
     host = {"w": r.standard_normal((16, 8), np.float32), "b": r.standard_normal((8,), np.float32),
             "count": np.int32(7)}
     specs = {"w": P("fsdp"), "b": P(), "count": P()}
     tree = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in host.items()}
-    taken = snapshot.take(tree)
+    taken = snapshot.take(tree, with_numpy=with_numpy)
     donate = jax.jit(lambda t: jax.tree.map(lambda x: x + 1, t), donate_argnums=0)
     jax.block_until_ready(donate(tree))
     assert all(leaf.is_deleted() for leaf in jax.tree.leaves(tree))  # the state really was donated
     arrays = taken.arrays()
     for key, value in host.items():
-        assert arrays[key].shape == np.shape(value)
+        assert arrays[key].shape == np.shape(value) and arrays[key].sharding.memory_kind == "pinned_host"
         assert np.asarray(arrays[key]).tobytes() == np.asarray(value).tobytes(), key
 
 
