@@ -116,3 +116,16 @@ def test_cache_key_accelerator_hash_replaced_by_the_compile_cache():
     assert "get_topology_for_devices" in inspect.getsource(cache_key._hash_accelerator_config)
     assert "_hash_accelerator_config(hash_obj, devices)" in inspect.getsource(cache_key.get)
     assert callable(cache_key._hash_string)
+
+
+def test_orbax_distributed_barrier_flag_and_preemption_hook_used_by_the_saver_thread():
+    """checkpoint.store runs orbax's save call on its saver thread: it turns on orbax's key-value
+    barriers (a private flag) and overrides CheckpointManager.reached_preemption."""
+    import orbax.checkpoint as ocp
+    from orbax.checkpoint._src.multihost import multihost
+
+    from resilient_jax.checkpoint.store import use_distributed_barriers
+
+    assert "reached_preemption" in vars(ocp.CheckpointManager)
+    use_distributed_barriers()
+    assert multihost.EXPERIMENTAL_ORBAX_USE_DISTRIBUTED_BARRIER.value is True

@@ -90,15 +90,14 @@ class Snapshot:
     writes. Only `take` must run before the state is donated: `arrays()` may run on another
     thread, later."""
 
-    def __init__(self, treedef, leaves, plans, copies, on_host: bool):
+    def __init__(self, treedef, leaves, plans, copies, targets, on_host: bool):
         self._treedef, self._leaves, self._plans, self._copies = treedef, leaves, plans, copies
-        self._on_host = on_host
+        self._targets, self._on_host = targets, on_host
 
     def arrays(self):
         copies = self._copies
-        if self._on_host:  # numpy copies: placed now, off the training thread
-            targets = [dst for plan in self._plans if plan is not None for _, dst in plan[1]]
-            copies = jax.device_put(copies, targets) if copies else []
+        if self._on_host and copies:  # numpy copies: placed now, off the training thread
+            copies = jax.device_put(copies, self._targets)
         copies = iter(copies)
         out = []
         for leaf, plan in zip(self._leaves, self._plans):
@@ -128,13 +127,13 @@ def take(tree, *, with_numpy: bool | None = None) -> Snapshot:
     leaves, treedef = jax.tree.flatten(tree)
     plans = [(_copy_plan(leaf, i) if isinstance(leaf, jax.Array) else None) for i, leaf in enumerate(leaves)]
     sources = [src for plan in plans if plan is not None for src, _ in plan[1]]
+    targets = [dst for plan in plans if plan is not None for _, dst in plan[1]]
     if with_numpy:
         copies = [np.array(src, copy=True) for src in sources]
     else:
         # One batched device_put for every shard of every array: one dispatch, not one per shard.
-        targets = [dst for plan in plans if plan is not None for _, dst in plan[1]]
         copies = jax.device_put(sources, targets) if sources else []
     # Only the leaves' shapes are kept: the state may be donated once this returns.
     shapes = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) if plan is not None else np.array(leaf, copy=True)
               for leaf, plan in zip(leaves, plans)]
-    return Snapshot(treedef, shapes, plans, copies, on_host=with_numpy)
+    return Snapshot(treedef, shapes, plans, copies, targets, on_host=with_numpy)
