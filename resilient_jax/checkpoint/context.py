@@ -30,6 +30,9 @@ class History:
     topology: list[dict[str, Any]] = field(default_factory=list)
     provenance: list[dict[str, Any]] = field(default_factory=list)
 
+    def copy(self) -> History:
+        return History(config=list(self.config), topology=list(self.topology), provenance=list(self.provenance))
+
     @classmethod
     def of(cls, context: dict[str, dict[str, Any]]) -> History:
         return cls(config=list(context["config"]["history"]), topology=list(context["topology"]["history"]),

@@ -22,6 +22,7 @@ deleted), so the run can write its own steps again.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -204,8 +205,10 @@ class CheckpointSession:
         if self.store is None or step == self._last_saved or step in self.store.steps():
             return
         t0 = time.perf_counter()
-        context = build_context(self.cfg, self.mesh, position, self.history, generation=self.generation,
-                                regions=self.regions)
+        # Built on the saver thread from values fixed now (the history and regions are copied).
+        context = functools.partial(build_context, self.cfg, self.mesh, position, self.history.copy(),
+                                    generation=self.generation,
+                                    regions=dict(self.regions) if self.regions is not None else None)
         self.store.save(step, state, context)
         if self.on_save is not None:
             self.on_save(step)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -69,8 +70,17 @@ def writer_sharding(sharding: NamedSharding, offset: int = 0) -> NamedSharding:
     return NamedSharding(Mesh(devices, mesh.axis_names), sharding.spec, memory_kind=memory_kind)
 
 
-def _copy_plan(leaf, index: int):
-    """(target sharding, [(source shard array, target single-device sharding)]) for one array."""
+class _LeafPlan(NamedTuple):
+    """How one array is copied: which of its addressable shards, onto which host shardings, and
+    the global array they make up (`target`, `shape`)."""
+
+    shard_indices: tuple[int, ...]  # into leaf.addressable_shards
+    shard_targets: tuple[jax.sharding.SingleDeviceSharding, ...]
+    target: jax.sharding.Sharding
+    shape: jax.ShapeDtypeStruct
+
+
+def _leaf_plan(leaf, index: int) -> _LeafPlan:
     if isinstance(leaf.sharding, NamedSharding) and jax.process_count() == 1:
         target = writer_sharding(leaf.sharding, index)
     else:
@@ -78,11 +88,28 @@ def _copy_plan(leaf, index: int):
         # and fails on one that a process holds no shard of; every replica is copied, each
         # device its own (in parallel on GPUs, one DMA per device).
         target = leaf.sharding.with_memory_kind(host_memory_kind(next(iter(leaf.sharding.device_set))))
-    by_device = {shard.device: shard.data for shard in leaf.addressable_shards}
-    kind = target.memory_kind
-    sources = [(by_device[d], jax.sharding.SingleDeviceSharding(d, memory_kind=kind))
-               for d in target.addressable_devices]
-    return target, sources
+    position = {shard.device: i for i, shard in enumerate(leaf.addressable_shards)}
+    devices = list(target.addressable_devices)
+    return _LeafPlan(tuple(position[d] for d in devices),
+                     tuple(jax.sharding.SingleDeviceSharding(d, memory_kind=target.memory_kind) for d in devices),
+                     target, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
+
+
+_plan_cache: dict[tuple, tuple[_LeafPlan | None, ...]] = {}
+
+
+def _plans(leaves, treedef) -> tuple[_LeafPlan | None, ...]:
+    """Every leaf's plan (None for a leaf that is not a jax.Array), made once per tree layout: a
+    save then costs the copies and little else (making the plans costs ~5 us per array)."""
+    key = (treedef, tuple((leaf.shape, leaf.dtype, leaf.sharding) if isinstance(leaf, jax.Array) else None
+                          for leaf in leaves))
+    plans = _plan_cache.get(key)
+    if plans is None:
+        if len(_plan_cache) >= 64:  # a run has a few layouts (one per world); keep memory bounded
+            _plan_cache.clear()
+        plans = _plan_cache[key] = tuple(_leaf_plan(leaf, i) if isinstance(leaf, jax.Array) else None
+                                         for i, leaf in enumerate(leaves))
+    return plans
 
 
 class Snapshot:
@@ -90,50 +117,51 @@ class Snapshot:
     writes. Only `take` must run before the state is donated: `arrays()` may run on another
     thread, later."""
 
-    def __init__(self, treedef, leaves, plans, copies, targets, on_host: bool):
-        self._treedef, self._leaves, self._plans, self._copies = treedef, leaves, plans, copies
-        self._targets, self._on_host = targets, on_host
+    def __init__(self, treedef, plans, copies, host_leaves, on_host: bool):
+        self._treedef, self._plans, self._copies = treedef, plans, copies
+        self._host_leaves, self._on_host = host_leaves, on_host
 
     def arrays(self):
         copies = self._copies
         if self._on_host and copies:  # numpy copies: placed now, off the training thread
-            copies = jax.device_put(copies, self._targets)
-        copies = iter(copies)
+            copies = jax.device_put(copies, [t for plan in self._plans if plan for t in plan.shard_targets])
+        copies, host_leaves = iter(copies), iter(self._host_leaves)
         out = []
-        for leaf, plan in zip(self._leaves, self._plans):
+        for plan in self._plans:
             if plan is None:
-                out.append(leaf)  # already a host copy
+                out.append(next(host_leaves))
                 continue
-            target, shard_plan = plan
-            shards = [next(copies) for _ in shard_plan]
-            out.append(jax.make_array_from_single_device_arrays(leaf.shape, target, shards, dtype=leaf.dtype))
+            shards = [next(copies) for _ in plan.shard_indices]
+            out.append(jax.make_array_from_single_device_arrays(plan.shape.shape, plan.target, shards,
+                                                                dtype=plan.shape.dtype))
         return jax.tree.unflatten(self._treedef, out)
 
 
-def copies_with_numpy(tree) -> bool:
-    """CPU devices keep their buffers in host memory: one numpy memcpy per shard is the copy, and
-    it costs less than a device_put into pinned_host (~70 us per array here). Elsewhere the copy
-    is a device_put into host memory: an asynchronous DMA that the training thread does not wait
-    for."""
-    leaves = [leaf for leaf in jax.tree.leaves(tree) if isinstance(leaf, jax.Array)]
-    return bool(leaves) and next(iter(leaves[0].sharding.device_set)).platform == "cpu"
-
-
 def take(tree, *, with_numpy: bool | None = None) -> Snapshot:
-    """Copies `tree`'s arrays for the save (see the module docstring; `with_numpy`: see
-    `copies_with_numpy`, the default); leaves that are not jax.Arrays are copied on the host."""
-    if with_numpy is None:
-        with_numpy = copies_with_numpy(tree)
+    """Copies `tree`'s arrays for the save (see the module docstring); leaves that are not
+    jax.Arrays are copied on the host.
+
+    `with_numpy` (default: on CPU devices): CPU devices keep their buffers in host memory, so one
+    numpy memcpy per shard is the copy, and it costs less than a device_put into pinned_host (~70
+    us per array here). Elsewhere the copy is a device_put into host memory: an asynchronous DMA
+    that the training thread does not wait for."""
     leaves, treedef = jax.tree.flatten(tree)
-    plans = [(_copy_plan(leaf, i) if isinstance(leaf, jax.Array) else None) for i, leaf in enumerate(leaves)]
-    sources = [src for plan in plans if plan is not None for src, _ in plan[1]]
-    targets = [dst for plan in plans if plan is not None for _, dst in plan[1]]
+    plans = _plans(leaves, treedef)
+    targets = [t for plan in plans if plan is not None for t in plan.shard_targets]
+    if with_numpy is None:
+        with_numpy = bool(targets) and next(iter(targets[0].device_set)).platform == "cpu"
+    arrays = [(leaf, plan) for leaf, plan in zip(leaves, plans) if plan is not None]
     if with_numpy:
-        copies = [np.array(src, copy=True) for src in sources]
+        # addressable_data, not addressable_shards: a new array builds its Shard objects on first
+        # use (~70 us each here). Of a fully replicated array it gives one replica, whichever the
+        # plan named: the bytes are the same, all in host memory.
+        copies = [np.array(leaf.addressable_data(i), copy=True) for leaf, plan in arrays for i in plan.shard_indices]
+    elif arrays:
+        # One batched device_put for every shard of every array: one dispatch, not one per shard;
+        # each from the replica the plan chose (its DMA runs from that device).
+        copies = jax.device_put([leaf.addressable_shards[i].data for leaf, plan in arrays for i in plan.shard_indices],
+                                targets)
     else:
-        # One batched device_put for every shard of every array: one dispatch, not one per shard.
-        copies = jax.device_put(sources, targets) if sources else []
-    # Only the leaves' shapes are kept: the state may be donated once this returns.
-    shapes = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) if plan is not None else np.array(leaf, copy=True)
-              for leaf, plan in zip(leaves, plans)]
-    return Snapshot(treedef, shapes, plans, copies, targets, on_host=with_numpy)
+        copies = []
+    host_leaves = [np.array(leaf, copy=True) for leaf, plan in zip(leaves, plans) if plan is None]
+    return Snapshot(treedef, plans, copies, host_leaves, on_host=with_numpy)
