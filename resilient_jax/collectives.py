@@ -40,8 +40,11 @@ def _split(flat: jax.Array, shapes) -> list[jax.Array]:
     return out
 
 
-def pmax(tree, axes):
-    """`lax.pmax(tree, axes)` as one all-reduce (every leaf of one dtype)."""
+def pmax(tree, axes, pack: bool = True):
+    """`lax.pmax(tree, axes)` as one all-reduce (every leaf of one dtype), or one per leaf with
+    `pack=False` (see `gather`)."""
+    if not pack:
+        return jax.tree.map(lambda x: lax.pmax(x, axes), tree)
     leaves, treedef = jax.tree.flatten(tree)
     flat = lax.pmax(_flat_concat(leaves), axes)
     return jax.tree.unflatten(treedef, _split(flat, [x.shape for x in leaves]))
@@ -72,47 +75,44 @@ def data_sum(flat: jax.Array, data_axis: str, groups: "RegionGroups | None" = No
     return full.reshape(-1)[:n]
 
 
-def sum_scatter(tree, scatter_dims, *, fsdp_axis: str, fsdp_size: int, data_axis: str,
-                groups: "RegionGroups | None" = None):
-    """Per leaf: sum over `fsdp_axis`, scattered (tiled) along its `scatter_dims` entry (-1: kept
-    whole), then summed over `data_axis` (flat, or region-aware: see `data_sum`) -- as
-    single-operand collectives (reduce-scatter over fsdp, all-reduce over fsdp, then the data sum).
-    Leaves share one dtype."""
+def scatter_sum(tree, scatter_dims, *, axis: str, size: int, pack: bool = True):
+    """Per leaf: sum over `axis` (of `size` devices), scattered (tiled) along its `scatter_dims` entry
+    (-1: kept whole): one reduce-scatter for the scattered leaves and one all-reduce for the whole
+    ones (leaves share one dtype) -- or, with `pack=False`, one collective per leaf (see `gather`:
+    packing drops the automatic sharding of a leaf's other dims)."""
+    # With pack=False (tensor > 1) the collectives run even over a size-1 axis, as in `gather`.
     leaves, treedef = jax.tree.flatten(tree)
     dims = treedef.flatten_up_to(scatter_dims)
+    if not pack:
+        return jax.tree.unflatten(treedef, [
+            lax.psum_scatter(x, axis, scatter_dimension=d, tiled=True) if d >= 0 else lax.psum(x, axis)
+            for x, d in zip(leaves, dims)])
+    if size == 1:
+        return tree
     scattered = [i for i, d in enumerate(dims) if d >= 0]
     whole = [i for i, d in enumerate(dims) if d < 0]
-
-    def local_shape(i):
-        shape = list(leaves[i].shape)
-        if dims[i] >= 0:
-            shape[dims[i]] //= fsdp_size
-        return shape
-
-    parts = []
-    if scattered:
-        # Row r of each leaf's (fsdp, -1) view is the block device r keeps (tiled scatter order).
-        rows = jnp.concatenate(
-            [jnp.moveaxis(leaves[i], dims[i], 0).reshape(fsdp_size, -1) for i in scattered], axis=1)
-        if fsdp_size > 1:
-            rows = lax.psum_scatter(rows, fsdp_axis, scatter_dimension=0, tiled=True)
-        parts.append(rows.reshape(-1))
-    if whole:
-        flat = _flat_concat([leaves[i] for i in whole])
-        parts.append(lax.psum(flat, fsdp_axis) if fsdp_size > 1 else flat)
-    summed = data_sum(jnp.concatenate(parts) if len(parts) > 1 else parts[0], data_axis, groups)
-
-    order = scattered + whole
-    moved_shapes = []
-    for i in order:
-        shape = local_shape(i)
-        if dims[i] >= 0:  # split off in moved-axis layout, moved back below
-            shape = [shape[dims[i]]] + [s for k, s in enumerate(shape) if k != dims[i]]
-        moved_shapes.append(shape)
     out = [None] * len(leaves)
-    for i, x in zip(order, _split(summed, moved_shapes)):
-        out[i] = jnp.moveaxis(x, 0, dims[i]) if dims[i] >= 0 else x
+    if scattered:
+        # Row r of each leaf's (size, -1) view is the block device r keeps (tiled scatter order).
+        moved = [jnp.moveaxis(leaves[i], dims[i], 0) for i in scattered]
+        rows = jnp.concatenate([m.reshape(size, -1) for m in moved], axis=1)
+        rows = lax.psum_scatter(rows, axis, scatter_dimension=0, tiled=True).reshape(-1)
+        local = [(m.shape[0] // size,) + m.shape[1:] for m in moved]
+        for i, x in zip(scattered, _split(rows, local)):
+            out[i] = jnp.moveaxis(x, 0, dims[i])
+    if whole:
+        flat = lax.psum(_flat_concat([leaves[i] for i in whole]), axis)
+        for i, x in zip(whole, _split(flat, [leaves[i].shape for i in whole])):
+            out[i] = x
     return jax.tree.unflatten(treedef, out)
+
+
+def tree_data_sum(tree, data_axis: str, groups: "RegionGroups | None" = None):
+    """`lax.psum(tree, data_axis)` as one buffer (leaves share one dtype): flat, or region-aware
+    (see `data_sum`)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    summed = data_sum(_flat_concat(leaves), data_axis, groups)
+    return jax.tree.unflatten(treedef, _split(summed, [x.shape for x in leaves]))
 
 
 def gather(tree, gather_dims, *, axis: str, size: int, pack: bool = True):
@@ -122,11 +122,13 @@ def gather(tree, gather_dims, *, axis: str, size: int, pack: bool = True):
     would come out replicated over `tensor`, the matmuls would no longer be split the same way on
     every layout, and the bits would differ between (4,1,2) and (2,2,2). So tensor-parallel runs
     gather per leaf (and keep the multi-operand risk this module exists for; CPU kill tests run
-    with tensor 1)."""
+    with tensor 1). Unpacked, the all-gathers run even over a size-1 axis: GSPMD then propagates the
+    same shardings of the tensor-parallel matmuls through the program whatever the fsdp size
+    (skipping them at fsdp 1 changed the bits of (data, fsdp, tensor) = (4, 1, 2) against (2, 2, 2))."""
     leaves, treedef = jax.tree.flatten(tree)
     dims = treedef.flatten_up_to(gather_dims)
     out = list(leaves)
-    if size > 1 and not pack:
+    if not pack:
         for i, d in enumerate(dims):
             if d >= 0:
                 out[i] = lax.all_gather(leaves[i], axis, axis=d, tiled=True)

@@ -58,6 +58,10 @@ def detect_platform(environ: Mapping[str, str] | None = None) -> str:
     return "cpu"
 
 
+# XLA:CPU's pass that merges independent all-reduces into one variadic all-reduce.
+CPU_DISABLED_PASSES = "cpu-all-reduce-combiner"
+
+
 def worker_environment(cfg: Config, platform: str, *, environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """Variables to merge into a worker's environment before JAX starts, XLA_FLAGS included.
 
@@ -72,6 +76,10 @@ def worker_environment(cfg: Config, platform: str, *, environ: Mapping[str, str]
             # The CPU (gloo) collectives' backstop: with jax_enable_recoverability, a collective still
             # blocked after this long raises a catchable JaxRuntimeError instead of hanging for ever.
             "xla_cpu_collective_timeout_seconds": str(cfg.runtime.collective_timeout_seconds),
+            # One operand per collective (resilient_jax.collectives says why): the step's per-layer
+            # gradient sums are independent of each other, and this pass would merge them into one
+            # variadic all-reduce. tests/test_step.py compiles the step with these flags and checks.
+            "xla_disable_hlo_passes": CPU_DISABLED_PASSES,
         }
         variables: dict[str, str] = {}
     elif platform in GPU_PLATFORMS:

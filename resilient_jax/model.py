@@ -132,10 +132,11 @@ class Block(nnx.Module):
         return x_BxLxD + _dropout(self.mlp(self.mlp_norm(x_BxLxD)), self.dropout, mlp_key)
 
 
-def _with_params(block: Block, prepare_layer) -> Block:
-    """The block with `prepare_layer` applied to its parameters (a pure dict of one layer's arrays)."""
+def _with_params(block: Block, prepare_layer, layer_input) -> Block:
+    """The block with `prepare_layer(params, layer_input)` applied to its parameters (a pure dict of
+    one layer's arrays)."""
     graphdef, params, rest = nnx.split(block, nnx.Param, ...)
-    pure = prepare_layer(nnx.to_pure_dict(params))
+    pure = prepare_layer(nnx.to_pure_dict(params), layer_input)
     nnx.replace_by_pure_dict(params, pure)
     return nnx.merge(graphdef, params, rest)
 
@@ -171,22 +172,23 @@ class TransformerLM(nnx.Module):
         self.remat = cfg.remat
 
     def __call__(self, tokens_BxL: jax.Array, *, dropout_key: jax.Array | None = None,
-                 prepare_layer=None) -> jax.Array:
+                 prepare_layer=None, layer_inputs=None) -> jax.Array:
         """Logits [B, L, vocab] in float32. `dropout_key=None` is the deterministic (eval) pass.
 
-        `prepare_layer`: a framework hook, params -> params of the same shapes, applied to each
-        block's parameters right where that block runs (inside the layer scan, inside the remat):
-        e.g. an all-gather of fsdp shards, so only one layer is ever gathered at a time (ZeRO-3)
-        and the gather's transpose, a reduce-scatter, runs per layer in the backward pass.
+        `prepare_layer(params, layer_input)`: a framework hook, returning params of the full shapes,
+        applied to each block's parameters right where that block runs (inside the layer scan,
+        inside the remat): e.g. an all-gather of fsdp shards, so only one layer is ever gathered at
+        a time (ZeRO-3). `layer_inputs`: what the hook gets for each layer, opaque to the model
+        (stacked on a leading [n_layers] dim with scan_layers, else a sequence; None: None each).
         """
         x = jnp.take(self.embed[...], tokens_BxL, axis=0).astype(self.dtype)
-        x = self._run_blocks(x, dropout_key, prepare_layer)
+        x = self._run_blocks(x, dropout_key, prepare_layer, layer_inputs)
         x = self.final_norm(x)
         return (x @ self.unembed[...].astype(self.dtype)).astype(jnp.float32)
 
-    def _run_blocks(self, x_BxLxD: jax.Array, dropout_key: jax.Array | None, prepare_layer) -> jax.Array:
-        def call_block(block: Block, x: jax.Array, key: jax.Array | None) -> jax.Array:
-            return (block if prepare_layer is None else _with_params(block, prepare_layer))(x, key)
+    def _run_blocks(self, x_BxLxD: jax.Array, dropout_key: jax.Array | None, prepare_layer, layer_inputs) -> jax.Array:
+        def call_block(block: Block, x: jax.Array, key: jax.Array | None, layer_input) -> jax.Array:
+            return (block if prepare_layer is None else _with_params(block, prepare_layer, layer_input))(x, key)
 
         call = call_block
         if self.remat != "none":
@@ -197,14 +199,16 @@ class TransformerLM(nnx.Module):
 
         if not self.scan_layers:
             for layer, block in enumerate(self.blocks):
-                x_BxLxD = call(block, x_BxLxD, layer_key(layer))
+                layer_input = None if layer_inputs is None else layer_inputs[layer]
+                x_BxLxD = call(block, x_BxLxD, layer_key(layer), layer_input)
             return x_BxLxD
 
-        @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry, transform_metadata={nnx.PARTITION_NAME: LAYERS_AXIS})
-        def scan_body(x, block, layer):
-            return call(block, x, layer_key(layer))
+        @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0), out_axes=nnx.Carry,
+                  transform_metadata={nnx.PARTITION_NAME: LAYERS_AXIS})
+        def scan_body(x, block, layer, layer_input):
+            return call(block, x, layer_key(layer), layer_input)
 
-        return scan_body(x_BxLxD, self.blocks, jnp.arange(self.n_layers, dtype=jnp.uint32))
+        return scan_body(x_BxLxD, self.blocks, jnp.arange(self.n_layers, dtype=jnp.uint32), layer_inputs)
 
 
 def count_params(params) -> int:

@@ -1,7 +1,10 @@
 """Summing per-virtual-shard gradients over every device of the (data x fsdp) grid.
 
-`native`: float sums -- a device adds its shards, then a reduce-scatter over fsdp and an
-all-reduce over data. XLA picks the order, which depends on the layout, so bits drift when it changes.
+Both modes sum one parameter group's gradient over fsdp inside the backward pass (a reduce-scatter
+per layer and shard, resilient_jax.fsdp), accumulate a device's shards in its fsdp slice, and
+all-reduce over data at the end.
+
+`native`: float sums. XLA picks the order, which depends on the layout, so bits drift when it changes.
 
 `invariant`: an exact, order-free sum in integer fixed point (DESIGN.md, "Exact reduction").
 Every shard gradient is quantised to int64 on its own, as a function of that shard's values only;
@@ -9,21 +12,24 @@ integer addition is exact and associative, so the sum is the same for any device
 collective tree, any (data x fsdp) layout and any process count, and XLA may schedule it freely.
 
 Fixed point, per block of elements (a block is a trailing run of a leaf's axes, 128-1024
-elements where the shape allows, or one row; see `block_dims`):
+elements where the shape allows, or one row; see `block_dims`; a leaf is one layer's parameter):
   - pass 1 (every step): shard v quantises block b to `lsb_vb = e_vb - OWN_BITS`, where
-    2^e_vb > max|g_vb| (its own block maximum): q = rint(g * 2^-lsb). A device keeps ONE int64
-    accumulator per leaf and the finest lsb seen per block; adding a shard shifts the coarser of the
-    two left, which is exact while nothing overflows. The grid agrees on the finest lsb (pmin, exact),
-    every device shifts to it and the int64 accumulators are reduce-scattered and all-reduced.
+    2^e_vb > max|g_vb| (its own block maximum): q = rint(g * 2^-lsb) -- a function of that shard
+    alone. The gradient of one parameter group (a layer) is summed over `fsdp` inside the backward
+    pass (resilient_jax.fsdp): the group's devices agree on each block's finest lsb (an exact
+    pmax), shift to it (exact while nothing overflows) and reduce-scatter int64; each device adds
+    the result to its int64 accumulator of its fsdp slice, shifting the coarser of the two. At the
+    end the devices agree on the finest lsb over `data` too, shift, and all-reduce over `data`.
     No overflow is possible while (max_v e_vb - min_v lsb_vb) + ceil(log2 V) <= 62 for every block,
-    i.e. while shards' block maxima lie within SPREAD_BITS of each other; that is checked
-    exactly (pmax/pmin of integers) on the global exponents, so every device decides alike.
+    i.e. while shards' block maxima lie within SPREAD_BITS of each other; that is checked exactly
+    (pmax of integers) on the global exponents, so every device decides alike.
   - pass 2 (only when pass 1 could overflow; the caller recomputes the shard gradients): every
     shard quantises to the global `lsb_b = max_v e_vb - (62 - ceil(log2 V))`, fixed in advance
     from pass 1's exact global maxima: the sum of V such integers cannot overflow.
-Both passes are deterministic functions of the shard gradients, hence of the data and the state.
-Precision: each shard keeps OWN_BITS (pass 1) or 62 - ceil(log2 V) bits (pass 2) below its block
-maximum, against fp32's 24 bits below each element; scripts/bench_reduction.py measures it
+Both passes are deterministic functions of the shard gradients, hence of the data and the state;
+the integer sum is the same whichever device added which shard in which order, so the value is
+too. Precision: each shard keeps OWN_BITS (pass 1) or 62 - ceil(log2 V) bits (pass 2) below its
+block maximum, against fp32's 24 bits below each element; scripts/bench_reduction.py measures it
 against a float64 reference on the model's real gradients.
 
 int64 needs `jax.enable_x64(True)`; it is scoped to the functions below, which keep every dtype
@@ -33,13 +39,16 @@ explicit, so the model's own code is never traced with 64-bit defaults.
 from __future__ import annotations
 
 import math
-from typing import Literal, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Literal, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from resilient_jax import collectives
+
+if TYPE_CHECKING:
+    from resilient_jax.fsdp import Group
 
 Reduction = Literal["invariant", "native"]
 
@@ -80,11 +89,20 @@ def block_dims(shape: Sequence[int]) -> int:
 
 
 class IntAccumulator(NamedTuple):
-    """An exact sum of quantised shard gradients: value = acc * 2^lsb, per block."""
+    """One leaf's exact sum of quantised shard gradients: value = acc * 2^lsb, per block."""
 
-    acc: jax.Array  # int64, the leaf's shape
-    lsb: jax.Array  # int32, shape[:block_dims]: the finest lsb added so far
-    exp: jax.Array  # int32, shape[:block_dims]: the largest block exponent added so far
+    acc: jax.Array  # int64, this device's fsdp slice of the leaf
+    lsb: jax.Array  # int32, every block of the leaf (the same on each fsdp member): finest lsb added
+    exp: jax.Array  # int32, likewise: the largest block exponent added
+
+
+class GroupSum(NamedTuple):
+    """A device's running gradient sum of one parameter group (resilient_jax.fsdp.Group), over the
+    shards it has computed, already summed over fsdp: what the backward pass carries in and out."""
+
+    accs: list  # per leaf: an IntAccumulator (exact) or a float32 array (native), fsdp-local
+    plan: list | None  # exact: per leaf and block, the fixed lsb of pass 2 or LSB_NONE (pass 1)
+    nonfinite: jax.Array  # int32: the LAST shard's gradient of this group had a non-finite element
 
 
 def _expand(block_x: jax.Array, ndim: int) -> jax.Array:
@@ -92,18 +110,13 @@ def _expand(block_x: jax.Array, ndim: int) -> jax.Array:
 
 
 def _shift_left(x: jax.Array, bits: jax.Array) -> jax.Array:
-    # Shifts by >= 64 only ever apply to zeros (an empty accumulator or block); clamp them.
+    # Shifts by >= 64 only ever apply to zeros (an empty accumulator or block) or to a pass that
+    # `fits` rejects; clamp them.
     return lax.shift_left(x, jnp.clip(bits, 0, 63).astype(jnp.int64))
 
 
-def zeros_like_leaf(g: jax.ShapeDtypeStruct) -> IntAccumulator:
-    with jax.enable_x64(True):
-        k = block_dims(g.shape)
-        return IntAccumulator(
-            acc=jnp.zeros(g.shape, jnp.int64),
-            lsb=jnp.full(g.shape[:k], LSB_NONE, jnp.int32),
-            exp=jnp.full(g.shape[:k], EXP_NONE, jnp.int32),
-        )
+def block_shape(shape: Sequence[int]) -> tuple[int, ...]:
+    return tuple(shape[:block_dims(shape)])
 
 
 def block_exponent(g: jax.Array) -> jax.Array:
@@ -114,17 +127,12 @@ def block_exponent(g: jax.Array) -> jax.Array:
     return jnp.where(amax > 0, e.astype(jnp.int32), jnp.int32(EXP_NONE))
 
 
-def own_exponent_plan(accs):
-    """Pass 1's plan: every block quantised to its own exponent (LSB_NONE = no fixed lsb)."""
-    return jax.tree.map(lambda a: jnp.full_like(a.lsb, LSB_NONE), accs, is_leaf=is_acc)
+def quantize(g: jax.Array, plan: jax.Array, bits: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One shard's gradient leaf -> (q int64, lsb, e per block) with g ~= q * 2^lsb: to the plan's
+    fixed lsb per block (pass 2) or, where the plan says LSB_NONE, to the block's own exponent -
+    `bits` (pass 1). A function of this shard's values alone.
 
-
-def add_shard(acc: IntAccumulator, g: jax.Array, plan: jax.Array, bits: int) -> IntAccumulator:
-    """acc + quantise(g): to the plan's fixed lsb per block (pass 2) or, where the plan says
-    LSB_NONE, to the block's own exponent - `bits` (pass 1).
-
-    Non-finite elements count as zero here (the step reports the shard as non-finite anyway).
-    """
+    Non-finite elements count as zero here (the step reports the shard as non-finite anyway)."""
     with jax.enable_x64(True):
         g = jnp.where(jnp.isfinite(g), g, jnp.float32(0))
         e = block_exponent(g)
@@ -132,21 +140,100 @@ def add_shard(acc: IntAccumulator, g: jax.Array, plan: jax.Array, bits: int) -> 
         lsb = jnp.where(e == EXP_NONE, jnp.int32(LSB_NONE), lsb)
         scale = jnp.clip(-lsb, -1100, 1100)  # an empty block's q is 0 whatever the scale
         q = jnp.rint(jnp.ldexp(g.astype(jnp.float64), _expand(scale, g.ndim))).astype(jnp.int64)
-        new_lsb = jnp.minimum(acc.lsb, lsb)
-        total = _shift_left(acc.acc, _expand(acc.lsb - new_lsb, g.ndim)) + _shift_left(
-            q, _expand(lsb - new_lsb, g.ndim)
-        )
-        return IntAccumulator(acc=total, lsb=new_lsb, exp=jnp.maximum(acc.exp, e))
+        return q, lsb, e
 
 
-def global_exponents(accs, axes) -> tuple[object, object]:
-    """(finest lsb, largest exponent) per block over every device on `axes`: one exact all-reduce."""
-    with jax.enable_x64(True):
-        packed = jax.tree.map(lambda a: jnp.stack([-a.lsb, a.exp]), accs, is_leaf=is_acc)
-        packed = collectives.pmax(packed, axes)
-        lsb = jax.tree.map(lambda p: -p[0], packed)
-        exp = jax.tree.map(lambda p: p[1], packed)
-        return lsb, exp
+def _any_nonfinite(grads) -> jax.Array:
+    return jnp.any(jnp.stack([~jnp.all(jnp.isfinite(g)) for g in grads])).astype(jnp.int32)
+
+
+class ExactSum:
+    """`invariant`: integer fixed point (the module docstring)."""
+
+    name = "invariant"
+
+    def __init__(self, num_shards: int):
+        # Headroom from the REAL shard count: padding shards add exact zeros, and a width that followed
+        # the padded count (a function of the device grid) would make the bits depend on the layout.
+        self.num_shards = num_shards
+        self.bits = own_bits(num_shards)
+
+    def init(self, group: Group, plan: list | None = None, stack: tuple[int, ...] = ()) -> GroupSum:
+        """Nothing added yet; `stack`: leading dims (a stack of layers). `plan`: pass 2's lsb."""
+        with jax.enable_x64(True):
+            accs = [IntAccumulator(acc=jnp.zeros(stack + group.local_shape(i), jnp.int64),
+                                   lsb=jnp.full(stack + block_shape(shape), LSB_NONE, jnp.int32),
+                                   exp=jnp.full(stack + block_shape(shape), EXP_NONE, jnp.int32))
+                    for i, shape in enumerate(group.shapes)]
+            if plan is None:
+                plan = [jnp.full(stack + block_shape(shape), LSB_NONE, jnp.int32) for shape in group.shapes]
+            return GroupSum(accs=accs, plan=list(plan), nonfinite=jnp.zeros(stack, jnp.int32))
+
+    def add(self, group: Group, state: GroupSum, grads: list) -> GroupSum:
+        """state + one shard's full gradient of the group (`grads`, per leaf), summed over fsdp with
+        the other members' shards: inside the backward pass, once per layer and shard."""
+        with jax.enable_x64(True):
+            quantised = [quantize(g, p, self.bits) for g, p in zip(grads, state.plan)]
+            # The group's members agree on each block's finest lsb and largest exponent (exact).
+            stats = [jnp.stack([-lsb, e]) for _, lsb, e in quantised]
+            if group.size > 1 or not group.pack:
+                stats = collectives.pmax(stats, group.axis, pack=group.pack)
+            group_lsb, group_exp = [-s[0] for s in stats], [s[1] for s in stats]
+            aligned = [_shift_left(q, _expand(lsb - m, q.ndim)) for (q, lsb, _), m in zip(quantised, group_lsb)]
+            summed = collectives.scatter_sum(aligned, list(group.dims), axis=group.axis, size=group.size,
+                                             pack=group.pack)
+            accs = []
+            for i, (acc, s, m, e) in enumerate(zip(state.accs, summed, group_lsb, group_exp)):
+                new_lsb = jnp.minimum(acc.lsb, m)
+                total = (_shift_left(acc.acc, _expand(group.local_blocks(acc.lsb - new_lsb, i), s.ndim))
+                         + _shift_left(s, _expand(group.local_blocks(m - new_lsb, i), s.ndim)))
+                accs.append(IntAccumulator(acc=total, lsb=new_lsb, exp=jnp.maximum(acc.exp, e)))
+            return GroupSum(accs=accs, plan=state.plan, nonfinite=_any_nonfinite(grads))
+
+    @staticmethod
+    def global_stats(accs: list, data_axis: str) -> tuple[list, list]:
+        """(finest lsb, largest exponent) per block over every device: one exact all-reduce over
+        `data` (the fsdp members already agree)."""
+        with jax.enable_x64(True):
+            packed = collectives.pmax([jnp.stack([-a.lsb, a.exp]) for a in accs], data_axis)
+            return [-p[0] for p in packed], [p[1] for p in packed]
+
+    @staticmethod
+    def aligned(group: Group, accs: list, lsb: list) -> list:
+        """Each accumulator shifted to the global lsb, ready to be summed over `data`."""
+        with jax.enable_x64(True):
+            return [_shift_left(a.acc, _expand(group.local_blocks(a.lsb - m, i), a.acc.ndim))
+                    for i, (a, m) in enumerate(zip(accs, lsb))]
+
+    @staticmethod
+    def to_float(group: Group, summed: list, lsb: list) -> list:
+        """The summed integers back to float32 (rounded once, from the exact sum)."""
+        with jax.enable_x64(True):
+            out = []
+            for i, (x, m) in enumerate(zip(summed, lsb)):
+                m = group.local_blocks(m, i)
+                scaled = jnp.ldexp(x.astype(jnp.float64), _expand(jnp.clip(m, -1100, 1100), x.ndim))
+                out.append(jnp.where(_expand(m, x.ndim) == LSB_NONE, jnp.float32(0), scaled.astype(jnp.float32)))
+            return out
+
+
+class FloatSum:
+    """`native`: float reduce-scatter over fsdp and all-reduce over data; XLA picks the order, which
+    depends on the layout, so bits drift when it changes."""
+
+    name = "native"
+
+    def init(self, group: Group, plan=None, stack: tuple[int, ...] = ()) -> GroupSum:
+        return GroupSum(accs=[jnp.zeros(stack + group.local_shape(i), jnp.float32) for i in range(len(group.shapes))],
+                        plan=None, nonfinite=jnp.zeros(stack, jnp.int32))
+
+    def add(self, group: Group, state: GroupSum, grads: list) -> GroupSum:
+        summed = collectives.scatter_sum([g.astype(jnp.float32) for g in grads], list(group.dims), axis=group.axis,
+                                         size=group.size, pack=group.pack)
+        return GroupSum(accs=[a + s for a, s in zip(state.accs, summed)], plan=None, nonfinite=_any_nonfinite(grads))
+
+
+Reducer = ExactSum | FloatSum
 
 
 def fits(lsb, exp, num_shards: int) -> jax.Array:
@@ -159,41 +246,6 @@ def fits(lsb, exp, num_shards: int) -> jax.Array:
 def fixed_lsb(exp, num_shards: int):
     """Pass 2's lsb per block: the global maximum's exponent less the int64 bits the sum may use."""
     return jax.tree.map(lambda e: e - jnp.int32(62 - headroom_bits(num_shards)), exp)
-
-
-def reduce_exact(accs, lsb, *, scatter_axes, data_axis: str, fsdp_axis: str, groups=None):
-    """Shift every device's accumulator to the global lsb, reduce-scatter over fsdp (to each leaf's
-    `scatter_axes` entry; -1: all-reduce) and all-reduce over data (flat, or region-aware with
-    `groups`: resilient_jax.hierarchy; integers, so the same bits); back to float32.
-
-    The whole tree travels as one int64 buffer per collective (resilient_jax.collectives says why)."""
-    with jax.enable_x64(True):
-        fsdp_size = lax.axis_size(fsdp_axis)
-        shifted = jax.tree.map(lambda a, lsb_g: _shift_left(a.acc, _expand(a.lsb - lsb_g, a.acc.ndim)),
-                               accs, lsb, is_leaf=is_acc)
-        summed = collectives.sum_scatter(shifted, scatter_axes, fsdp_axis=fsdp_axis, fsdp_size=fsdp_size,
-                                         data_axis=data_axis, groups=groups)
-
-        def leaf(x: jax.Array, lsb_g: jax.Array, axis: int) -> jax.Array:
-            if 0 <= axis < lsb_g.ndim:  # this device's rows of the per-block lsb
-                size = x.shape[axis]
-                lsb_g = lax.dynamic_slice_in_dim(lsb_g, lax.axis_index(fsdp_axis) * size, size, axis)
-            scale = _expand(jnp.clip(lsb_g, -1100, 1100), x.ndim)
-            out = jnp.ldexp(x.astype(jnp.float64), scale).astype(jnp.float32)
-            return jnp.where(_expand(lsb_g, x.ndim) == LSB_NONE, jnp.float32(0), out)
-
-        return jax.tree.map(leaf, summed, lsb, scatter_axes)
-
-
-def reduce_native(grads, *, scatter_axes, data_axis: str, fsdp_axis: str, groups=None):
-    """Plain float reduce-scatter over fsdp and all-reduce over data (one buffer per collective;
-    region-aware with `groups`, which changes the float rounding order)."""
-    return collectives.sum_scatter(grads, scatter_axes, fsdp_axis=fsdp_axis, fsdp_size=lax.axis_size(fsdp_axis),
-                                   data_axis=data_axis, groups=groups)
-
-
-def is_acc(x) -> bool:
-    return isinstance(x, IntAccumulator)
 
 
 def global_norm(tree) -> jax.Array:

@@ -43,15 +43,15 @@ class ModelDef:
         return self.cfg.factory == BUILTIN_MODEL
 
     def forward(self, params, tokens_BxL: jax.Array, dropout_key: jax.Array | None = None, *,
-                prepare_layer=None) -> jax.Array:
-        """`prepare_layer`: see TransformerLM.__call__ (a per-block params hook, e.g. a per-layer
-        gather); the built-in model's only."""
+                prepare_layer=None, layer_inputs=None) -> jax.Array:
+        """`prepare_layer`, `layer_inputs`: see TransformerLM.__call__ (a per-block params hook,
+        e.g. a per-layer gather); the built-in model's only (`has_layer_hook`)."""
         state = jax.tree.map(lambda x: x, self.template)
         nnx.replace_by_pure_dict(state, params)
         model = nnx.merge(self.graphdef, state)
         if prepare_layer is None:
             return model(tokens_BxL, dropout_key=dropout_key)
-        return model(tokens_BxL, dropout_key=dropout_key, prepare_layer=prepare_layer)
+        return model(tokens_BxL, dropout_key=dropout_key, prepare_layer=prepare_layer, layer_inputs=layer_inputs)
 
     def check_output(self, seq_len: int, vocab_size: int) -> None:
         """Refuse (one ConfigError line) a model whose logits are not float [B, seq_len, >= vocab_size]."""

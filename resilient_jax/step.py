@@ -32,7 +32,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
 from resilient_jax import mesh as mesh_lib
-from resilient_jax import collectives, hierarchy, reduce, rng
+from resilient_jax import collectives, fsdp, hierarchy, reduce, rng
 from resilient_jax.losses import LossFn, next_token_cross_entropy
 from resilient_jax.state import ModelDef, TrainState
 
@@ -119,9 +119,10 @@ def make_shard_plan(global_batch: int, num_shards: int, devices: int, max_share:
                      max_share=max_share)
 
 
-def _shard_loss_fn(model_def: ModelDef, loss_fn: LossFn):
-    def loss_sum(params, tokens_BxL1, weights_BxL, key, loss_key):
-        logits = model_def.forward(params, tokens_BxL1[:, :-1], dropout_key=key)
+def _loss_of_logits(loss_fn: LossFn, tokens_BxL1, weights_BxL, loss_key):
+    """logits -> (summed loss, (loss weight, per-row loss)) of one virtual shard's rows."""
+
+    def loss_sum(logits):
         row_loss_B = loss_fn(logits, tokens_BxL1[:, 1:], weights_BxL, key=loss_key)
         return jnp.sum(row_loss_B), (jnp.sum(weights_BxL), row_loss_B)
 
@@ -155,10 +156,12 @@ def make_compute(
 ) -> "Compute":
     """grads = compute(params, tokens, weights, step): the step's only collectives.
 
-    A shard_map manual over (data, fsdp): every grid device gathers the fsdp-sharded weights
-    (ZeRO-3), runs the virtual shards its layout gives it one after another (one gradient accumulator),
-    and the accumulators are reduce-scattered back to fsdp shards and all-reduced over data --
-    in exact integers (`invariant`) or float (`native`). `tensor` stays automatic (GSPMD) when >1.
+    A shard_map manual over (data, fsdp): every grid device runs the virtual shards its layout
+    gives it one after another, gathering the fsdp-sharded weights one parameter group (a layer)
+    at a time where the model uses them (ZeRO-3); each shard's gradient of a group is summed over
+    fsdp inside the backward pass and added to the device's fsdp slice of the sum
+    (resilient_jax.fsdp), in exact integers (`invariant`) or float (`native`); at the end the
+    slices are all-reduced over data. `tensor` stays automatic (GSPMD) when >1.
     `use_dropout`: give the model each shard's dropout key; `loss_fn`: task.loss, given its own key
     unless it is the deterministic default (see resilient_jax.rng and resilient_jax.losses).
     `regions`: sum over data in that region-aware order (resilient_jax.hierarchy) instead of flat.
@@ -167,57 +170,53 @@ def make_compute(
     if regions is not None and len(regions.regions) != mesh.shape[mesh_lib.DATA_AXIS]:
         raise ValueError(f"the region groups are for {len(regions.regions)} data indices, the mesh has "
                          f"{mesh.shape[mesh_lib.DATA_AXIS]}")
-    data, fsdp = mesh_lib.DATA_AXIS, mesh_lib.FSDP_AXIS
-    manual_specs, fsdp_dims = grid.manual_specs, grid.fsdp_dims
+    data = mesh_lib.DATA_AXIS
+    partition = grid.partition
     use_loss_key = loss_fn is not next_token_cross_entropy
-    grad_fn = jax.value_and_grad(_shard_loss_fn(model_def, loss_fn), has_aux=True)
     C, b, V = plan.slots_per_device, plan.rows_per_shard, plan.num_shards
-    # Headroom from the REAL shard count: padding shards add exact zeros, and a width that followed
-    # the padded count (a function of the device grid) would make the bits depend on the layout.
-    bits = reduce.own_bits(V)
+    reducer = reduce.ExactSum(V) if mode == "invariant" else reduce.FloatSum()
 
-    def shard_grad(params, step, tok, w, v):
+    def shard_grad(params, sums: fsdp.Sums, step, tok, w, v):
         # The model is traced with 32-bit defaults even where the reduction around it is 64-bit.
         with jax.enable_x64(False):
             key = rng.dropout_key(seed, step, v) if use_dropout else None
             loss_key = rng.loss_key(seed, step, v) if use_loss_key else None
-            (loss_sum, (weight_sum, row_loss)), g = grad_fn(params, tok, w, key, loss_key)
-            finite = jnp.isfinite(loss_sum) & jnp.all(
-                jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(g)])
-            )
-            return g, (loss_sum, weight_sum, finite, jnp.isfinite(row_loss))
+            (loss_sum, (weight_sum, row_loss)), sums = partition.value_and_sums(
+                model_def, reducer, _loss_of_logits(loss_fn, tok, w, loss_key), params, tok[:, :-1], key, sums)
+            finite = jnp.isfinite(loss_sum) & jnp.all(jnp.stack([jnp.all(s.nonfinite == 0) for s in sums.flat()]))
+            return sums, (loss_sum, weight_sum, finite, jnp.isfinite(row_loss))
 
-    def shard_loop(params, step, tokens, weights, first, count, init, add):
-        """Run this device's `count` shards (first, first+1, ...) in its slots, one after another.
+    def shard_loop(params, step, tokens, weights, first, trip, sums):
+        """Run this device's shards (first, first+1, ...) in its slots, one after another.
 
         A loop, not vmap: each shard runs with identical shapes, so its bits do not depend on how
         many shards this device holds (vmap batched the matmuls and changed the bits). The trip
-        count is this device's own (a traced value): slots past it are never computed.
+        count is this device's own (a traced value; the most of its fsdp group's when fsdp > 1,
+        since every shard's backward pass sums over the group): slots past its count hold zero
+        weights and add exact zeros.
         """
         tok, w = tokens.reshape(C, b, -1), weights.reshape(C, b, -1)
         stats0 = (jnp.zeros(C, jnp.float32), jnp.zeros(C, jnp.float32), jnp.zeros(C, bool), jnp.zeros((C, b), bool))
 
         def body(i, carry):
-            acc, stats = carry
-            g, one = shard_grad(params, step, tok[i], w[i], first + i)
-            return add(acc, g), tuple(s.at[i].set(x) for s, x in zip(stats, one))
+            sums, stats = carry
+            sums, one = shard_grad(params, sums, step, tok[i], w[i], first + i)
+            return sums, tuple(s.at[i].set(x) for s, x in zip(stats, one))
 
         # A plan without spare slots (uniform only) runs all C slots, padding ones with zero weight
         # (exact zeros): a counted loop, whose trip count XLA's analyses know (resilient_jax.hlo_stats).
-        return lax.fori_loop(0, count if grid.uneven else C, body, (init, stats0))
+        return lax.fori_loop(0, trip if grid.uneven else C, body, (sums, stats0))
 
     def per_device(params_local, tokens, weights, step, layout):
-        params = grid.gather(params_local)
-        first, count = grid.my_shards(layout)
+        first, trip = grid.my_shards(layout)
         if mode == "native":
-            acc, stats = shard_loop(params, step, tokens, weights, first, count,
-                                    jax.tree.map(jnp.zeros_like, params), lambda a, g: jax.tree.map(jnp.add, a, g))
-            grads = reduce.reduce_native(acc, scatter_axes=fsdp_dims, data_axis=data, fsdp_axis=fsdp, groups=regions)
+            sums, stats = shard_loop(params_local, step, tokens, weights, first, trip, partition.init(reducer))
+            grads = partition.params_from(collectives.tree_data_sum([gs.accs for gs in sums.flat()], data, regions))
             passes = jnp.int32(1)
         else:
             with jax.enable_x64(True):
-                grads, stats, passes = exact_grads(params, step, tokens, weights, first, count)
-        loss_V, weight_V, finite_V, row_finite = _gather_stats(_ShardStats(*stats), (data, fsdp), layout.slots)
+                grads, stats, passes = exact_grads(params_local, step, tokens, weights, first, trip)
+        loss_V, weight_V, finite_V, row_finite = _gather_stats(_ShardStats(*stats), grid.grid_axes, layout.slots)
         total_weight = jnp.maximum(reduce.ordered_sum(weight_V, V), 1.0)
         grads = jax.tree.map(lambda g: g / total_weight, grads)
         return GradResult(
@@ -229,33 +228,31 @@ def make_compute(
             passes=passes,
         )
 
-    def exact_grads(params, step, tokens, weights, first, count):
-        zeros = jax.tree.map(reduce.zeros_like_leaf, params)
-
+    def exact_grads(params, step, tokens, weights, first, trip):
         def attempt(carry):
-            lsb_plan, _, _, _, _, tries = carry
-
-            def add(accs, g):
-                return jax.tree.map(lambda a, gl, p: reduce.add_shard(a, gl, p, bits), accs, g, lsb_plan,
-                                    is_leaf=reduce.is_acc)
-
-            accs, stats = shard_loop(params, step, tokens, weights, first, count, zeros, add)
-            lsb, exp = reduce.global_exponents(accs, (data, fsdp))
+            plans, _, _, _, _, tries = carry
+            sums, stats = shard_loop(params, step, tokens, weights, first, trip, partition.init(reducer, plans))
+            accs = [a for gs in sums.flat() for a in gs.accs]
+            lsb, exp = reducer.global_stats(accs, data)
             ok = reduce.fits(lsb, exp, V)
-            return reduce.fixed_lsb(exp, V), ok, accs, lsb, stats, tries + 1
+            return partition.per_group(reduce.fixed_lsb(exp, V)), ok, sums, lsb, stats, tries + 1
 
         # Pass 1 always; pass 2 only when pass 1 could have overflowed (the same decision on
         # every device: `ok` comes from exact all-reduces).
+        first_sums = partition.init(reducer)
         stats0 = (jnp.zeros(C, jnp.float32), jnp.zeros(C, jnp.float32), jnp.zeros(C, bool), jnp.zeros((C, b), bool))
-        init = (reduce.own_exponent_plan(zeros), jnp.bool_(False), zeros,
-                jax.tree.map(lambda a: a.lsb, zeros, is_leaf=reduce.is_acc), stats0, jnp.int32(0))
-        _, _, accs, lsb, stats, tries = lax.while_loop(lambda c: ~c[1], attempt, init)
-        grads = reduce.reduce_exact(accs, lsb, scatter_axes=fsdp_dims, data_axis=data, fsdp_axis=fsdp,
-                                    groups=regions)
-        return grads, stats, tries
+        init = ([gs.plan for gs in first_sums.flat()], jnp.bool_(False), first_sums,
+                [a.lsb for gs in first_sums.flat() for a in gs.accs], stats0, jnp.int32(0))
+        _, _, sums, lsb, stats, tries = lax.while_loop(lambda c: ~c[1], attempt, init)
+        groups, lsb = partition.groups(), partition.per_group(lsb)
+        aligned = [reducer.aligned(g, gs.accs, m) for g, gs, m in zip(groups, sums.flat(), lsb)]
+        summed = collectives.tree_data_sum(aligned, data, regions)  # one int64 buffer
+        floats = [reducer.to_float(g, x, m) for g, x, m in zip(groups, summed, lsb)]
+        return partition.params_from(floats), stats, tries
 
     rep = PartitionSpec()
-    out_specs = GradResult(grads=manual_specs, loss=rep, shard_loss=rep, shard_finite=rep, row_finite=rep, passes=rep)
+    out_specs = GradResult(grads=grid.manual_specs, loss=rep, shard_loss=rep, shard_finite=rep, row_finite=rep,
+                           passes=rep)
     return Compute(grid.jit(per_device, out_specs, lambda params: GradResult(
         grads=params, loss=None, shard_loss=None, shard_finite=None, row_finite=None, passes=None)), plan)
 
@@ -271,27 +268,26 @@ def make_evaluate(model_def: ModelDef, mesh: Mesh, plan: ShardPlan, *, seed: int
     """result = evaluate(params, tokens, weights, batch): held-out loss sums, forward only.
 
     Each virtual shard of the eval batch is computed whole on one grid device, as in `compute`
-    (weights gathered over fsdp, the layout's shards one after another, no dropout), so a shard's
-    sum has the same bits whoever computes it; the sums come back replicated in shard order, for
-    the host to add up in a fixed order (resilient_jax.evaluation). `batch` (the eval batch's
-    index) only keys a task.loss of your own: rng.eval_loss_key.
+    (weights gathered over fsdp one group at a time, the layout's shards one after another, no
+    dropout), so a shard's sum has the same bits whoever computes it; the sums come back
+    replicated in shard order, for the host to add up in a fixed order (resilient_jax.evaluation).
+    `batch` (the eval batch's index) only keys a task.loss of your own: rng.eval_loss_key.
     """
     grid = _GridSpecs.of(model_def, mesh, plan)
     use_loss_key = loss_fn is not next_token_cross_entropy
-    loss_sum_fn = _shard_loss_fn(model_def, loss_fn)
     C, b = plan.slots_per_device, plan.rows_per_shard
 
     def per_device(params_local, tokens, weights, batch, layout):
-        params = grid.gather(params_local)
-        first, count = grid.my_shards(layout)
+        first, trip = grid.my_shards(layout)
         tok, w = tokens.reshape(C, b, -1), weights.reshape(C, b, -1)
 
         def body(i, sums):
             key = rng.eval_loss_key(seed, batch, first + i) if use_loss_key else None
-            loss_sum, (weight_sum, _) = loss_sum_fn(params, tok[i], w[i], None, key)
+            logits = grid.partition.forward(model_def, params_local, tok[i][:, :-1])
+            loss_sum, (weight_sum, _) = _loss_of_logits(loss_fn, tok[i], w[i], key)(logits)
             return sums.at[i].set(jnp.stack([loss_sum.astype(jnp.float32), weight_sum.astype(jnp.float32)]))
 
-        sums = lax.fori_loop(0, count if grid.uneven else C, body, jnp.zeros((C, 2), jnp.float32))
+        sums = lax.fori_loop(0, trip if grid.uneven else C, body, jnp.zeros((C, 2), jnp.float32))
         rows = lax.all_gather(sums, grid.grid_axes, tiled=True)[layout.slots]
         return EvalResult(shard_loss=rows[:, 0], shard_weight=rows[:, 1])
 
@@ -303,13 +299,14 @@ def make_evaluate(model_def: ModelDef, mesh: Mesh, plan: ShardPlan, *, seed: int
 @dataclass(frozen=True)
 class _GridSpecs:
     """What compute and evaluate share: a shard_map manual over (data, fsdp) -- and tensor when it
-    is 1 -- in which each grid device gathers the fsdp-sharded weights and runs its layout's shards."""
+    is 1 -- in which each grid device runs its layout's shards, gathering the fsdp-sharded weights
+    one group at a time (resilient_jax.fsdp)."""
 
     mesh: Mesh
     model_def: ModelDef
     manual: frozenset
     manual_specs: object  # params' PartitionSpecs restricted to the manual axes
-    fsdp_dims: object  # per param: the dim sharded over fsdp (or -1)
+    partition: fsdp.Partition
     uneven: bool  # slots for an uneven assignment: a per-device trip count
 
     @classmethod
@@ -318,30 +315,28 @@ class _GridSpecs:
             raise ValueError(f"the shard plan is for {plan.devices} devices, the mesh's data x fsdp grid has "
                              f"{mesh_lib.grid_size(mesh)}")
         model_def.check_layout(dict(mesh.shape))
-        data, fsdp, tensor = mesh_lib.DATA_AXIS, mesh_lib.FSDP_AXIS, mesh_lib.TENSOR_AXIS
-        manual = frozenset({data, fsdp} | ({tensor} if mesh.shape[tensor] == 1 else set()))
+        data, fsdp_axis, tensor = mesh_lib.DATA_AXIS, mesh_lib.FSDP_AXIS, mesh_lib.TENSOR_AXIS
+        manual = frozenset({data, fsdp_axis} | ({tensor} if mesh.shape[tensor] == 1 else set()))
         param_specs = mesh_lib.specs_from_logical(model_def.logical_axes)
         return cls(mesh=mesh, model_def=model_def, manual=manual,
                    manual_specs=jax.tree.map(lambda spec: mesh_lib.keep_axes(spec, manual), param_specs),
-                   fsdp_dims=jax.tree.map(lambda spec: mesh_lib.axis_position(spec, fsdp), param_specs),
+                   partition=fsdp.Partition.of(model_def, mesh),
                    uneven=plan.slots_per_device > plan.shards_per_device)
 
     @property
     def grid_axes(self) -> tuple[str, str]:
         return (mesh_lib.DATA_AXIS, mesh_lib.FSDP_AXIS)
 
-    def gather(self, params_local):
-        """The whole weights on this device. One all-gather for the whole tree, not one per leaf
-        (resilient_jax.collectives says why)."""
-        fsdp, tensor = mesh_lib.FSDP_AXIS, mesh_lib.TENSOR_AXIS
-        return collectives.gather(params_local, self.fsdp_dims, axis=fsdp, size=self.mesh.shape[fsdp],
-                                  pack=self.mesh.shape[tensor] == 1)
-
     def my_shards(self, layout: ShardLayout) -> tuple[jax.Array, jax.Array]:
-        """(first shard, shard count) of this grid device under `layout`."""
-        fsdp = mesh_lib.FSDP_AXIS
-        g = lax.axis_index(mesh_lib.DATA_AXIS) * self.mesh.shape[fsdp] + lax.axis_index(fsdp)
-        return layout.starts[g], layout.counts[g]
+        """(first shard, trip count) of this grid device under `layout`: the trip count is its
+        shard count, or with fsdp > 1 the most of its fsdp group's (the group's members take part
+        in each other's gathers and gradient sums, shard by shard)."""
+        fsdp_size = self.mesh.shape[mesh_lib.FSDP_AXIS]
+        row = lax.axis_index(mesh_lib.DATA_AXIS) * fsdp_size
+        g = row + lax.axis_index(mesh_lib.FSDP_AXIS)
+        if fsdp_size == 1:
+            return layout.starts[g], layout.counts[g]
+        return layout.starts[g], jnp.max(lax.dynamic_slice_in_dim(layout.counts, row, fsdp_size))
 
     def jit(self, per_device, out_specs, out_shardings_of):
         """per_device(params, tokens, weights, scalar, layout), shard-mapped and jitted: params

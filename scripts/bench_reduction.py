@@ -6,9 +6,9 @@ precision: real per-shard gradients of the model (tiny config, real data, at ini
     element by element: error in units of the float32 ulp of the reference, relative norm error.
 compiled: for each config and (data x fsdp) mesh, the real compute program of each mode compiled
     for 8 emulated CPU devices: XLA's per-device temp/argument bytes (memory_analysis), FLOPs
-    (cost_analysis), and the bytes its collectives move per device per step (from the HLO: ring
-    estimates, all-reduce 2(n-1)/n x size, reduce-scatter/all-gather/all-to-all (n-1)/n x the full
-    size), plus per-device FLOPs at the mesh vs the single-device program's / 8.
+    (cost_analysis), and the bytes its collectives move per device per step (from the HLO, ring
+    estimates with loops multiplied by their trip counts: resilient_jax.hlo_stats), plus per-device
+    FLOPs at the mesh vs the single-device program's / 8.
 time: compute + apply of both modes, alternating rounds on the same batches; ratio of medians.
 
     python scripts/bench_reduction.py [--configs tiny small] [--meshes 2x4 8x1] [--steps 5] [--rounds 3]
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import sys
 import time
@@ -86,44 +85,6 @@ def _batches(cfg, count: int):
         return [next(loader) for _ in range(count)]
 
 
-_COLLECTIVE = re.compile(
-    r"=\s*(\(?[^=]*?\)?)\s+(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\("
-)
-_SHAPE = re.compile(r"(pred|s8|u8|s16|u16|f16|bf16|s32|u32|f32|s64|u64|f64)\[([\d,]*)\]")
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
-          "s64": 8, "u64": 8, "f64": 8}
-
-
-def collective_bytes(hlo: str) -> dict:
-    """Bytes each device sends per collective kind (ring estimates, see the module docstring)."""
-    totals: dict[str, float] = {}
-    for line in hlo.splitlines():
-        line = re.sub(r"/\*.*?\*/", "", line)  # tuple shapes carry /*index=N*/ comments
-        m = _COLLECTIVE.search(line)
-        if not m or "-done" in line:
-            continue
-        kind = m.group(2)
-        size = 0
-        for dtype, dims in _SHAPE.findall(m.group(1)):
-            n = 1
-            for d in filter(None, dims.split(",")):
-                n *= int(d)
-            size += n * _BYTES[dtype]
-        groups = re.search(r"replica_groups=\{\{([\d,]+)\}", line)
-        n = len(groups.group(1).split(",")) if groups else 1
-        if n <= 1:
-            continue
-        if kind == "all-reduce":
-            moved = 2 * (n - 1) / n * size
-        elif kind == "reduce-scatter":
-            moved = (n - 1) * size  # the result is 1/n of the input
-        else:  # all-gather's result is the full size; all-to-all and permutes move their size
-            moved = (n - 1) / n * size
-        totals[kind] = totals.get(kind, 0) + moved
-    totals["total"] = sum(totals.values())
-    return {k: int(v) for k, v in totals.items()}
-
-
 def _compile_compute(cfg, mesh, plan, model_def, tx, mode: str):
     import numpy as np
 
@@ -150,7 +111,7 @@ def compiled(name: str, data: int, fsdp: int) -> dict:
         out[mode] = {
             "temp_bytes_per_device": int(mem.temp_size_in_bytes),
             "argument_bytes_per_device": int(mem.argument_size_in_bytes),
-            "collective_bytes_per_device": collective_bytes(prog.as_text()),
+            "collective_bytes_per_device": _collective_bytes(prog.as_text(), data * fsdp),
             "compile_seconds": seconds,
         }
         if data * fsdp > 1:
@@ -161,6 +122,15 @@ def compiled(name: str, data: int, fsdp: int) -> dict:
         inv["collective_bytes_per_device"]["total"] / max(nat["collective_bytes_per_device"]["total"], 1)
     )
     return out
+
+
+def _collective_bytes(hlo: str, devices: int) -> dict:
+    """Bytes one device sends per step per collective kind (ring estimates, loops multiplied by
+    their trip counts: resilient_jax.hlo_stats)."""
+    from resilient_jax import hlo_stats
+
+    stats = hlo_stats.analyze(hlo, devices)
+    return {**{k: int(v) for k, v in stats.collective_bytes.items()}, "total": int(stats.total_collective_bytes)}
 
 
 def flops(name: str, data: int, fsdp: int, mode: str) -> dict:
@@ -220,41 +190,49 @@ def precision(name: str) -> dict:
     import numpy as np
     from jax.sharding import PartitionSpec as P
 
-    from resilient_jax import reduce
-    from resilient_jax import rng
+    import jax.numpy as jnp
+
+    from resilient_jax import collectives, fsdp, reduce, rng
+    from resilient_jax import mesh as mesh_lib
     from resilient_jax import state as state_lib
     from resilient_jax import step as step_lib
+    from resilient_jax.losses import next_token_cross_entropy
 
     cfg, mesh, plan, model_def, tx, apply = _setup(name, 1, 1)
     V, b = plan.num_shards, plan.rows_per_shard
     batches = _batches(cfg, 20)
     compute = step_lib.make_compute(model_def, mesh, plan, seed=0, mode="invariant", use_dropout=True)
-    grad_fn = jax.jit(jax.grad(lambda p, t, w, k: step_lib._shard_loss_fn(model_def)(p, t, w, k)[0]))
-    bits = reduce.own_bits(V)
+
+    def shard_loss(p, tokens, weights, key):
+        logits = model_def.forward(p, tokens[:, :-1], key)
+        return jnp.sum(next_token_cross_entropy(logits, tokens[:, 1:], weights, key=None))
+
+    grad_fn = jax.jit(jax.grad(shard_loss))
+    # The whole (unscanned) model as one group: every leaf is one layer's, as the step blocks them.
+    group = fsdp.group_of(jax.eval_shape(model_def.init_params, jax.random.key(0)),
+                          mesh_lib.specs_from_logical(model_def.logical_axes), mesh)
+    reducer = reduce.ExactSum(V)
 
     def exact(g_V, force_pass2: bool):
         def body(g_V):
-            first = jax.tree.map(lambda x: x[0], g_V)
-            accs = jax.tree.map(reduce.zeros_like_leaf, first)
-            plan_ = reduce.own_exponent_plan(accs)
-            if force_pass2:  # the global block maxima fix the lsb in advance
+            def add_all(state):
                 for v in range(V):
-                    accs = jax.tree.map(lambda a, x, p: reduce.add_shard(a, x[v], p, bits), accs, g_V, plan_,
-                                        is_leaf=reduce.is_acc)
-                _, exp = reduce.global_exponents(accs, ("data", "fsdp"))
+                    state = reducer.add(group, state, jax.tree.leaves(jax.tree.map(lambda x: x[v], g_V)))
+                return state
+
+            plan_ = None
+            if force_pass2:  # the global block maxima fix the lsb in advance
+                _, exp = reducer.global_stats(add_all(reducer.init(group)).accs, "data")
                 plan_ = reduce.fixed_lsb(exp, V)
-                accs = jax.tree.map(reduce.zeros_like_leaf, first)
-            for v in range(V):
-                accs = jax.tree.map(lambda a, x, p: reduce.add_shard(a, x[v], p, bits), accs, g_V, plan_,
-                                    is_leaf=reduce.is_acc)
-            lsb, exp = reduce.global_exponents(accs, ("data", "fsdp"))
-            scatter = jax.tree.map(lambda _: -1, first)
-            return reduce.reduce_exact(accs, lsb, scatter_axes=scatter, data_axis="data", fsdp_axis="fsdp"), \
-                reduce.fits(lsb, exp, V)
+            state = add_all(reducer.init(group, plan_))
+            lsb, exp = reducer.global_stats(state.accs, "data")
+            summed = collectives.tree_data_sum(reducer.aligned(group, state.accs, lsb), "data")
+            return jax.tree.unflatten(group.treedef, reducer.to_float(group, summed, lsb)), reduce.fits(lsb, exp, V)
 
         f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P(), axis_names=set(mesh.axis_names),
                                   check_vma=False))
-        return f(g_V)
+        with jax.enable_x64(True):
+            return f(g_V)
 
     out = {}
     state = state_lib.init_state(model_def, tx, mesh, 0)

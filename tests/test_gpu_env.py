@@ -104,9 +104,10 @@ def test_the_refusal_is_for_invariant_mode_on_gpu_only():
     assert gpu_env.worker_environment(NATIVE, "gpu", environ={"XLA_FLAGS": off})["XLA_FLAGS"].startswith(off)
 
 
-def test_cpu_env_is_the_collective_timeout_only():
+def test_cpu_env_is_the_collective_timeout_and_no_all_reduce_combining():
     env = gpu_env.worker_environment(INVARIANT, "cpu", environ={"XLA_FLAGS": "--xla_cpu_enable_fast_math=false"})
-    assert env == {"XLA_FLAGS": "--xla_cpu_enable_fast_math=false --xla_cpu_collective_timeout_seconds=77"}
+    assert env == {"XLA_FLAGS": "--xla_cpu_enable_fast_math=false --xla_cpu_collective_timeout_seconds=77 "
+                                "--xla_disable_hlo_passes=cpu-all-reduce-combiner"}
 
 
 def test_an_unknown_platform_is_an_error():
@@ -139,7 +140,7 @@ def _parse_flags_in_subprocess(xla_flags: str) -> subprocess.CompletedProcess:
 
 def test_every_emitted_xla_flag_is_known_to_this_jaxlibs_flag_parser():
     flags = _all_flags_emitted()
-    assert len(gpu_env.parse_xla_flags(flags)) == 7
+    assert len(gpu_env.parse_xla_flags(flags)) == 8
     ok = _parse_flags_in_subprocess(flags)
     assert ok.returncode == 0 and "parsed" in ok.stdout, ok.stderr[-2000:]
     # The control: the same parser does reject a flag it does not know, so the check above has teeth.

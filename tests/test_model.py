@@ -210,7 +210,7 @@ def test_prepare_layer_gathers_one_fsdp_sharded_layer_at_a_time_inside_the_scan(
     layer_embed_dim = jax.tree.map(lambda axes: axes.index("embed"), model_def.layer_axes, is_leaf=is_axes)
     tokens = jnp.arange(24, dtype=jnp.int32).reshape(2, 12)
 
-    def gather_layer(layer_params):
+    def gather_layer(layer_params, _layer_input):
         return jax.tree.map(lambda w, d: jax.lax.all_gather(w, "fsdp", axis=d, tiled=True), layer_params,
                             layer_embed_dim)
 

@@ -1,0 +1,266 @@
+"""FSDP (ZeRO-3) inside the compute shard_map: weights are all-gathered one parameter group at a
+time where the model uses them, and each virtual shard's gradient of that group is summed over
+`fsdp` inside the backward pass -- so no device ever holds the whole model's weights, nor a
+whole-model gradient or accumulator.
+
+A *group* is a set of parameters gathered together. The built-in transformer has two kinds: one
+block (its `prepare_layer` hook gathers it inside the layer scan and inside the remat, so the
+backward pass gathers it again instead of keeping it) and the parameters outside the blocks
+(embedding, final norm, unembedding; gathered at the start of the forward pass). A model of your
+own, which has no such hook, is one group.
+
+How a group's gradient leaves the backward pass: the gather is a `jax.custom_vjp` of (the
+group's fsdp-local weights, a *channel*). Its backward pass takes the group's full gradient of
+the one shard this device computes, sums it over fsdp with the step's reduction
+(resilient_jax.reduce: exact integers or floats), adds it to the device's running sum -- which
+the channel carries in -- and returns the new sum as the channel's cotangent; the weights get a
+zero cotangent. Cotangents must be floats, so a channel holds the sum's bits as float32
+(`to_channel`: int64 -> two int32 -> float32, int32 -> float32, bitcasts). Between the backward
+pass and the caller nothing computes on them: each channel is used once (no cotangent is added
+to another), and the layer scan stacks the cotangents of its scanned inputs. tests/test_fsdp.py
+sends every bit pattern (NaN and infinity ones too) through the scanned, rematerialised model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh
+
+from resilient_jax import collectives
+from resilient_jax import mesh as mesh_lib
+from resilient_jax.reduce import GroupSum, Reducer, block_dims
+
+
+@dataclass(frozen=True)
+class Group:
+    """One parameter group as a device of the data x fsdp grid sees it (static, hashable)."""
+
+    treedef: Any
+    shapes: tuple[tuple[int, ...], ...]  # each leaf's full shape, as the model uses it (one layer's)
+    dtypes: tuple[Any, ...]
+    dims: tuple[int, ...]  # the dim sharded over fsdp; -1: not sharded (whole on every member)
+    axis: str  # the fsdp mesh axis
+    size: int  # its size
+    pack: bool  # one collective per kind for the whole group (False with tensor > 1: see collectives.gather)
+
+    def local_shape(self, i: int) -> tuple[int, ...]:
+        shape, dim = list(self.shapes[i]), self.dims[i]
+        if dim >= 0:
+            shape[dim] //= self.size
+        return tuple(shape)
+
+    def local_blocks(self, blocks: jax.Array, i: int) -> jax.Array:
+        """This member's rows of leaf i's per-block array (leading stack dims allowed): the blocks
+        of its fsdp slice when fsdp splits the leaf along a block-index dim, else all of them
+        (a block split by fsdp has one lsb, kept whole by every member)."""
+        k = block_dims(self.shapes[i])
+        dim = self.dims[i]
+        if self.size == 1 or not 0 <= dim < k:
+            return blocks
+        dim += blocks.ndim - k  # past the stack dims
+        rows = blocks.shape[dim] // self.size
+        return lax.dynamic_slice_in_dim(blocks, lax.axis_index(self.axis) * rows, rows, dim)
+
+    def gather(self, local_tree):
+        """The group's full weights from every member's slice (all-gathers over fsdp)."""
+        return collectives.gather(local_tree, jax.tree.unflatten(self.treedef, list(self.dims)), axis=self.axis,
+                                  size=self.size, pack=self.pack)
+
+    def zeros(self):
+        return jax.tree.unflatten(self.treedef, [jnp.zeros(self.local_shape(i), d) for i, d in enumerate(self.dtypes)])
+
+
+def group_of(shapes_tree, specs_tree, mesh: Mesh, drop_leading: bool = False) -> Group:
+    """The Group of params with these (full) shapes and PartitionSpecs on `mesh`; `drop_leading`:
+    one layer of stacked params."""
+    leaves, treedef = jax.tree.flatten(shapes_tree)
+    specs = treedef.flatten_up_to(specs_tree)
+    fsdp = mesh_lib.FSDP_AXIS
+    dims = [mesh_lib.axis_position(spec, fsdp) for spec in specs]
+    shapes = [tuple(x.shape) for x in leaves]
+    if drop_leading:  # a stacked layer: the leading "layers" dim is never sharded
+        assert all(d != 0 for d in dims), dims
+        shapes, dims = [s[1:] for s in shapes], [d - 1 if d > 0 else -1 for d in dims]
+    return Group(treedef=treedef, shapes=tuple(shapes), dtypes=tuple(jnp.dtype(x.dtype) for x in leaves),
+                 dims=tuple(dims), axis=fsdp, size=mesh.shape[fsdp], pack=mesh.shape[mesh_lib.TENSOR_AXIS] == 1)
+
+
+# -- channels: a group's running sum as float32 bits --------------------------------------------------
+
+
+def to_channel(tree):
+    def encode(x):
+        if x.dtype == jnp.float32:
+            return x
+        if x.dtype == jnp.int64:
+            x = lax.bitcast_convert_type(x, jnp.int32)  # [..., 2]
+        return lax.bitcast_convert_type(x.astype(jnp.int32), jnp.float32)
+
+    with jax.enable_x64(True):
+        return jax.tree.map(encode, tree)
+
+
+def from_channel(channel, like):
+    """The inverse of `to_channel`; `like`: the encoded tree's shapes and dtypes."""
+
+    def decode(c, ref):
+        if ref.dtype == jnp.float32:
+            return c
+        x = lax.bitcast_convert_type(c, jnp.int32)
+        return lax.bitcast_convert_type(x, jnp.int64) if ref.dtype == jnp.int64 else x.astype(ref.dtype)
+
+    with jax.enable_x64(True):
+        return jax.tree.map(decode, channel, like)
+
+
+def _shapes_of(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+def summing_gather(group: Group, reducer: Reducer) -> Callable:
+    """gather(local, channel) -> the group's full weights; in the backward pass the group's
+    gradient is added, summed over fsdp, to the sum the channel carries (module docstring)."""
+    with jax.enable_x64(True):
+        like = jax.eval_shape(lambda: reducer.init(group))
+
+    @jax.custom_vjp
+    def gather(local, channel):
+        return group.gather(local)
+
+    def forward(local, channel):
+        return group.gather(local), channel
+
+    def backward(channel, grads_full):
+        total = reducer.add(group, from_channel(channel, like), jax.tree.leaves(grads_full))
+        return group.zeros(), to_channel(total)
+
+    gather.defvjp(forward, backward)
+    return gather
+
+
+# -- the model's params as groups -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sums:
+    """A device's running gradient sums: one GroupSum for the top group, and the layers' (one
+    GroupSum whose arrays are stacked [n_layers, ...] for scanned layers, else a list)."""
+
+    top: GroupSum
+    layers: Any
+
+    def flat(self) -> list[GroupSum]:
+        if self.layers is None:
+            return [self.top]
+        return [self.top, *(self.layers if isinstance(self.layers, list) else [self.layers])]
+
+
+jax.tree_util.register_dataclass(Sums, data_fields=["top", "layers"], meta_fields=[])
+
+
+@dataclass(frozen=True)
+class Partition:
+    """How the model's parameters divide into groups: `top` (gathered at the start of the forward
+    pass) and, for a model with the layer hook, `layer` (one block, gathered where it runs)."""
+
+    top: Group
+    layer: Group | None
+    n_layers: int
+    stacked: bool  # scanned layers: the blocks' leaves carry a leading [n_layers] dim
+
+    @classmethod
+    def of(cls, model_def, mesh: Mesh) -> Partition:
+        shapes = jax.eval_shape(model_def.init_params, jax.random.key(0))
+        specs = mesh_lib.specs_from_logical(model_def.logical_axes)
+        if not model_def.builtin:
+            return cls(top=group_of(shapes, specs, mesh), layer=None, n_layers=0, stacked=False)
+        top = {k: v for k, v in shapes.items() if k != "blocks"}
+        top_specs = {k: v for k, v in specs.items() if k != "blocks"}
+        blocks, block_specs = shapes["blocks"], specs["blocks"]
+        stacked = model_def.cfg.scan_layers
+        layer = (group_of(blocks, block_specs, mesh, drop_leading=True) if stacked
+                 else group_of(blocks[0], block_specs[0], mesh))
+        return cls(top=group_of(top, top_specs, mesh), layer=layer, n_layers=model_def.cfg.n_layers, stacked=stacked)
+
+    def groups(self) -> list[Group]:
+        """The group of each GroupSum of `Sums.flat()`."""
+        if self.layer is None:
+            return [self.top]
+        return [self.top, *([self.layer] * (1 if self.stacked else self.n_layers))]
+
+    def split(self, params) -> tuple[Any, Any]:
+        """params -> (top, blocks): blocks stacked (scan) or a list of per-layer trees."""
+        if self.layer is None:
+            return params, None
+        top = {k: v for k, v in params.items() if k != "blocks"}
+        blocks = params["blocks"]
+        return top, blocks if self.stacked else [blocks[i] for i in range(self.n_layers)]
+
+    def join(self, top, blocks):
+        if self.layer is None:
+            return top
+        return {**top, "blocks": blocks if self.stacked else dict(enumerate(blocks))}
+
+    def per_group(self, leaves: list) -> list[list]:
+        """A flat list over every GroupSum's leaves (in `Sums.flat()` order) -> one list per GroupSum."""
+        out, start = [], 0
+        for group in self.groups():
+            out.append(list(leaves[start:start + len(group.shapes)]))
+            start += len(group.shapes)
+        assert start == len(leaves), (start, len(leaves))
+        return out
+
+    def params_from(self, per_group: list[list]):
+        """One list of leaves per GroupSum (`Sums.flat()` order) -> the params tree."""
+        top = jax.tree.unflatten(self.top.treedef, per_group[0])
+        if self.layer is None:
+            return top
+        layers = [jax.tree.unflatten(self.layer.treedef, leaves) for leaves in per_group[1:]]
+        return self.join(top, layers[0] if self.stacked else layers)
+
+    def init(self, reducer: Reducer, plans: list | None = None) -> Sums:
+        """Nothing added yet; `plans`: pass 2's fixed lsb per GroupSum of `flat()` (exact only)."""
+        groups = self.groups()
+        plans = plans if plans is not None else [None] * len(groups)
+        if self.layer is None:
+            return Sums(top=reducer.init(self.top, plans[0]), layers=None)
+        top = reducer.init(self.top, plans[0])
+        if self.stacked:
+            return Sums(top=top, layers=reducer.init(self.layer, plans[1], stack=(self.n_layers,)))
+        return Sums(top=top, layers=[reducer.init(self.layer, p) for p in plans[1:]])
+
+    def forward(self, model_def, params_local, tokens_BxL, dropout_key=None):
+        """Logits from fsdp-local params, each group gathered where it is used (no gradient sums)."""
+        top, blocks = self.split(params_local)
+        params = self.join(self.top.gather(top), blocks)
+        if self.layer is None:
+            return model_def.forward(params, tokens_BxL, dropout_key)
+        return model_def.forward(params, tokens_BxL, dropout_key,
+                                 prepare_layer=lambda layer, _: self.layer.gather(layer))
+
+    def value_and_sums(self, model_def, reducer: Reducer, loss_of_logits, params_local, tokens_BxL, dropout_key,
+                       sums: Sums):
+        """((loss, aux), sums + this shard's gradient summed over fsdp): `loss_of_logits(logits)`
+        -> (scalar loss, aux) is differentiated; the gradient never exists whole outside the
+        backward pass of each group."""
+        top, blocks = self.split(params_local)
+        gather_top = summing_gather(self.top, reducer)
+        gather_layer = None if self.layer is None else summing_gather(self.layer, reducer)
+
+        def loss(channels: Sums):
+            params = self.join(gather_top(top, channels.top), blocks)
+            if gather_layer is None:
+                logits = model_def.forward(params, tokens_BxL, dropout_key)
+            else:
+                logits = model_def.forward(params, tokens_BxL, dropout_key, prepare_layer=gather_layer,
+                                           layer_inputs=channels.layers)
+            return loss_of_logits(logits)
+
+        like = _shapes_of(sums)
+        value, channels = jax.value_and_grad(loss, has_aux=True)(to_channel(sums))
+        return value, from_channel(channels, like)
