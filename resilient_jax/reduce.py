@@ -127,6 +127,11 @@ def block_exponent(g: jax.Array) -> jax.Array:
     return jnp.where(amax > 0, e.astype(jnp.int32), jnp.int32(EXP_NONE))
 
 
+def _pow2(k: jax.Array) -> jax.Array:
+    """2^k as float32, exactly, for integer k in [-126, 127] (built from its exponent bits)."""
+    return lax.bitcast_convert_type(lax.shift_left(k.astype(jnp.int32) + 127, jnp.int32(23)), jnp.float32)
+
+
 def quantize(g: jax.Array, plan: jax.Array, bits: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One shard's gradient leaf -> (q int64, lsb, e per block) with g ~= q * 2^lsb: to the plan's
     fixed lsb per block (pass 2) or, where the plan says LSB_NONE, to the block's own exponent -
@@ -138,9 +143,16 @@ def quantize(g: jax.Array, plan: jax.Array, bits: int) -> tuple[jax.Array, jax.A
         e = block_exponent(g)
         lsb = jnp.where(plan == LSB_NONE, e - jnp.int32(bits), plan)
         lsb = jnp.where(e == EXP_NONE, jnp.int32(LSB_NONE), lsb)
-        scale = jnp.clip(-lsb, -1100, 1100)  # an empty block's q is 0 whatever the scale
-        q = jnp.rint(jnp.ldexp(g.astype(jnp.float64), _expand(scale, g.ndim))).astype(jnp.int64)
-        return q, lsb, e
+        # g * 2^-lsb in float32, as two exact power-of-two multiplies (no float64, no ldexp: 1.62x ->
+        # 1.27x native's compute time on tiny): every real block's scale lies in [-99, 210], so each
+        # half is a normal float32 and every product is exact; |g * 2^-lsb| < 2^62, an integer past
+        # 2^24 already, so rint rounds only where float64 would round alike, and the conversion to
+        # int64 is exact. An empty block (or one every shard left empty) has g == 0 there: its
+        # clipped scale gives q = 0.
+        scale = jnp.clip(-lsb, -252, 252)
+        half = scale // 2
+        y = g * _expand(_pow2(half), g.ndim) * _expand(_pow2(scale - half), g.ndim)
+        return jnp.rint(y).astype(jnp.int64), lsb, e
 
 
 def _any_nonfinite(grads) -> jax.Array:
@@ -174,14 +186,17 @@ class ExactSum:
         the other members' shards: inside the backward pass, once per layer and shard."""
         with jax.enable_x64(True):
             quantised = [quantize(g, p, self.bits) for g, p in zip(grads, state.plan)]
-            # The group's members agree on each block's finest lsb and largest exponent (exact).
-            stats = [jnp.stack([-lsb, e]) for _, lsb, e in quantised]
             if group.size > 1 or not group.pack:
-                stats = collectives.pmax(stats, group.axis, pack=group.pack)
-            group_lsb, group_exp = [-s[0] for s in stats], [s[1] for s in stats]
-            aligned = [_shift_left(q, _expand(lsb - m, q.ndim)) for (q, lsb, _), m in zip(quantised, group_lsb)]
-            summed = collectives.scatter_sum(aligned, list(group.dims), axis=group.axis, size=group.size,
-                                             pack=group.pack)
+                # The group's members agree on each block's finest lsb and largest exponent (exact),
+                # shift to it and sum over fsdp.
+                stats = collectives.pmax([jnp.stack([-lsb, e]) for _, lsb, e in quantised], group.axis,
+                                         pack=group.pack)
+                group_lsb, group_exp = [-s[0] for s in stats], [s[1] for s in stats]
+                aligned = [_shift_left(q, _expand(lsb - m, q.ndim)) for (q, lsb, _), m in zip(quantised, group_lsb)]
+                summed = collectives.scatter_sum(aligned, list(group.dims), axis=group.axis, size=group.size,
+                                                 pack=group.pack)
+            else:  # a group of one: the shard's own quantisation is the group's
+                summed, group_lsb, group_exp = [list(x) for x in zip(*quantised)]
             accs = []
             for i, (acc, s, m, e) in enumerate(zip(state.accs, summed, group_lsb, group_exp)):
                 new_lsb = jnp.minimum(acc.lsb, m)

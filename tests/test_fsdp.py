@@ -148,9 +148,10 @@ def test_the_step_gathers_one_group_at_a_time_and_a_layer_costs_less_than_its_ga
 
 
 def test_device_memory_does_not_grow_with_the_shards_a_device_runs():
-    # O(1) gradient buffers per device: 1 or 4 shards per device, the same temporaries (within the
-    # per-shard statistics and batch slots, a few KB).
+    # O(1) gradient buffers per device: 2 or 8 shards per device, the same temporaries (within the
+    # per-shard statistics, a few KB; measured 28,146,744 vs 28,147,256 bytes). (With one shard a
+    # device, XLA removes the loop and its carried buffers: less.)
     small = dataclasses.replace(WIDE, n_layers=2)
-    one = _compiled_step(small, 2, 4, "invariant", shards_per_device=1)[0].memory_analysis().temp_size_in_bytes
-    four = _compiled_step(small, 2, 4, "invariant", shards_per_device=4)[0].memory_analysis().temp_size_in_bytes
-    assert four - one < 64 * 1024, (one, four)
+    two = _compiled_step(small, 2, 4, "invariant", shards_per_device=2)[0].memory_analysis().temp_size_in_bytes
+    eight = _compiled_step(small, 2, 4, "invariant", shards_per_device=8)[0].memory_analysis().temp_size_in_bytes
+    assert eight - two < 64 * 1024, (two, eight)
