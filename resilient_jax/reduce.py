@@ -119,10 +119,14 @@ def block_shape(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(shape[:block_dims(shape)])
 
 
-def block_exponent(g: jax.Array) -> jax.Array:
-    """e per block with 2^(e-1) <= max|g| < 2^e, or EXP_NONE for an all-zero block (int32)."""
+def block_max(g: jax.Array) -> jax.Array:
+    """max |g| per block (NaN where the block holds a NaN, inf where it holds an infinity)."""
     k = block_dims(g.shape)
-    amax = jnp.max(jnp.abs(g), axis=tuple(range(k, g.ndim))) if g.ndim > k else jnp.abs(g)
+    return jnp.max(jnp.abs(g), axis=tuple(range(k, g.ndim))) if g.ndim > k else jnp.abs(g)
+
+
+def block_exponent(amax: jax.Array) -> jax.Array:
+    """e per block with 2^(e-1) <= amax < 2^e, or EXP_NONE for an all-zero block (int32)."""
     _, e = jnp.frexp(amax)
     return jnp.where(amax > 0, e.astype(jnp.int32), jnp.int32(EXP_NONE))
 
@@ -132,15 +136,24 @@ def _pow2(k: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(lax.shift_left(k.astype(jnp.int32) + 127, jnp.int32(23)), jnp.float32)
 
 
-def quantize(g: jax.Array, plan: jax.Array, bits: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One shard's gradient leaf -> (q int64, lsb, e per block) with g ~= q * 2^lsb: to the plan's
-    fixed lsb per block (pass 2) or, where the plan says LSB_NONE, to the block's own exponent -
-    `bits` (pass 1). A function of this shard's values alone.
+class Quantised(NamedTuple):
+    q: jax.Array  # int64, the leaf's shape: g ~= q * 2^lsb
+    lsb: jax.Array  # int32 per block
+    exp: jax.Array  # int32 per block: the block maximum's exponent
+    finite: jax.Array  # bool: every element of the leaf is finite
 
-    Non-finite elements count as zero here (the step reports the shard as non-finite anyway)."""
+
+def quantize(g: jax.Array, plan: jax.Array, bits: int) -> Quantised:
+    """One shard's gradient leaf, quantised: to the plan's fixed lsb per block (pass 2) or, where
+    the plan says LSB_NONE, to the block's own exponent - `bits` (pass 1). A function of this
+    shard's values alone.
+
+    A non-finite element makes its block's maximum non-finite, which `finite` reports; that block's
+    integers are then meaningless, and the step never uses them: a shard with a non-finite
+    gradient is quarantined and the step recomputed without it."""
     with jax.enable_x64(True):
-        g = jnp.where(jnp.isfinite(g), g, jnp.float32(0))
-        e = block_exponent(g)
+        amax = block_max(g)
+        e = block_exponent(amax)
         lsb = jnp.where(plan == LSB_NONE, e - jnp.int32(bits), plan)
         lsb = jnp.where(e == EXP_NONE, jnp.int32(LSB_NONE), lsb)
         # g * 2^-lsb in float32, as two exact power-of-two multiplies (no float64, no ldexp: 1.62x ->
@@ -152,7 +165,7 @@ def quantize(g: jax.Array, plan: jax.Array, bits: int) -> tuple[jax.Array, jax.A
         scale = jnp.clip(-lsb, -252, 252)
         half = scale // 2
         y = g * _expand(_pow2(half), g.ndim) * _expand(_pow2(scale - half), g.ndim)
-        return jnp.rint(y).astype(jnp.int64), lsb, e
+        return Quantised(q=jnp.rint(y).astype(jnp.int64), lsb=lsb, exp=e, finite=jnp.all(jnp.isfinite(amax)))
 
 
 def _any_nonfinite(grads) -> jax.Array:
@@ -189,21 +202,22 @@ class ExactSum:
             if group.size > 1 or not group.pack:
                 # The group's members agree on each block's finest lsb and largest exponent (exact),
                 # shift to it and sum over fsdp.
-                stats = collectives.pmax([jnp.stack([-lsb, e]) for _, lsb, e in quantised], group.axis,
-                                         pack=group.pack)
+                stats = collectives.pmax([jnp.stack([-x.lsb, x.exp]) for x in quantised], group.axis, pack=group.pack)
                 group_lsb, group_exp = [-s[0] for s in stats], [s[1] for s in stats]
-                aligned = [_shift_left(q, _expand(lsb - m, q.ndim)) for (q, lsb, _), m in zip(quantised, group_lsb)]
+                aligned = [_shift_left(x.q, _expand(x.lsb - m, x.q.ndim)) for x, m in zip(quantised, group_lsb)]
                 summed = collectives.scatter_sum(aligned, list(group.dims), axis=group.axis, size=group.size,
                                                  pack=group.pack)
             else:  # a group of one: the shard's own quantisation is the group's
-                summed, group_lsb, group_exp = [list(x) for x in zip(*quantised)]
+                summed, group_lsb, group_exp = [x.q for x in quantised], [x.lsb for x in quantised], \
+                    [x.exp for x in quantised]
             accs = []
             for i, (acc, s, m, e) in enumerate(zip(state.accs, summed, group_lsb, group_exp)):
                 new_lsb = jnp.minimum(acc.lsb, m)
                 total = (_shift_left(acc.acc, _expand(group.local_blocks(acc.lsb - new_lsb, i), s.ndim))
                          + _shift_left(s, _expand(group.local_blocks(m - new_lsb, i), s.ndim)))
                 accs.append(IntAccumulator(acc=total, lsb=new_lsb, exp=jnp.maximum(acc.exp, e)))
-            return GroupSum(accs=accs, plan=state.plan, nonfinite=_any_nonfinite(grads))
+            finite = jnp.all(jnp.stack([x.finite for x in quantised]))
+            return GroupSum(accs=accs, plan=state.plan, nonfinite=(~finite).astype(jnp.int32))
 
     @staticmethod
     def global_stats(accs: list, data_axis: str) -> tuple[list, list]:
