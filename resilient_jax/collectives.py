@@ -80,9 +80,10 @@ def scatter_sum(tree, scatter_dims, *, axis: str, size: int, pack: bool = True):
     (-1: kept whole): one reduce-scatter for the scattered leaves and one all-reduce for the whole
     ones (leaves share one dtype) -- or, with `pack=False`, one collective per leaf (see `gather`:
     packing drops the automatic sharding of a leaf's other dims)."""
-    # With pack=False (tensor > 1) the collectives run even over a size-1 axis, as in `gather`.
     leaves, treedef = jax.tree.flatten(tree)
     dims = treedef.flatten_up_to(scatter_dims)
+    if size == 1:
+        return tree
     if not pack:
         return jax.tree.unflatten(treedef, [
             lax.psum_scatter(x, axis, scatter_dimension=d, tiled=True) if d >= 0 else lax.psum(x, axis)
@@ -118,17 +119,14 @@ def tree_data_sum(tree, data_axis: str, groups: "RegionGroups | None" = None):
 def gather(tree, gather_dims, *, axis: str, size: int, pack: bool = True):
     """Per leaf: `lax.all_gather(x, axis, axis=dim, tiled=True)` (dim -1: left as is), as one
     all-gather per dtype -- or, with `pack=False`, one per leaf. Packing flattens each leaf, which
-    drops the automatic (GSPMD) sharding of its other dims: with `tensor` > 1 the gathered weights
-    would come out replicated over `tensor`, the matmuls would no longer be split the same way on
-    every layout, and the bits would differ between (4,1,2) and (2,2,2). So tensor-parallel runs
-    gather per leaf (and keep the multi-operand risk this module exists for; CPU kill tests run
-    with tensor 1). Unpacked, the all-gathers run even over a size-1 axis: GSPMD then propagates the
-    same shardings of the tensor-parallel matmuls through the program whatever the fsdp size
-    (skipping them at fsdp 1 changed the bits of (data, fsdp, tensor) = (4, 1, 2) against (2, 2, 2))."""
+    drops the automatic (GSPMD) sharding of its other dims: with `tensor` > 1 every tensor device
+    would gather (and, in `scatter_sum`, sum) the whole leaf instead of its tensor slice. So
+    tensor-parallel runs gather per leaf (and keep the multi-operand risk this module exists for;
+    CPU kill tests run with tensor 1)."""
     leaves, treedef = jax.tree.flatten(tree)
     dims = treedef.flatten_up_to(gather_dims)
     out = list(leaves)
-    if not pack:
+    if size > 1 and not pack:
         for i, d in enumerate(dims):
             if d >= 0:
                 out[i] = lax.all_gather(leaves[i], axis, axis=d, tiled=True)

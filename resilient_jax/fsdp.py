@@ -29,9 +29,9 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec
 
-from resilient_jax import collectives
+from resilient_jax import activations, collectives
 from resilient_jax import mesh as mesh_lib
 from resilient_jax.reduce import GroupSum, Reducer, block_dims
 
@@ -47,6 +47,9 @@ class Group:
     axis: str  # the fsdp mesh axis
     size: int  # its size
     pack: bool  # one collective per kind for the whole group (False with tensor > 1: see collectives.gather)
+    # Per leaf, its sharding over the mesh axes GSPMD partitions inside the step (`tensor` when > 1;
+    # None when there are none): gathered weights and their gradients are pinned to it.
+    auto_specs: tuple[PartitionSpec, ...] | None = None
 
     def local_shape(self, i: int) -> tuple[int, ...]:
         shape, dim = list(self.shapes[i]), self.dims[i]
@@ -68,8 +71,17 @@ class Group:
 
     def gather(self, local_tree):
         """The group's full weights from every member's slice (all-gathers over fsdp)."""
-        return collectives.gather(local_tree, jax.tree.unflatten(self.treedef, list(self.dims)), axis=self.axis,
-                                  size=self.size, pack=self.pack)
+        return self.pin(collectives.gather(local_tree, jax.tree.unflatten(self.treedef, list(self.dims)),
+                                           axis=self.axis, size=self.size, pack=self.pack))
+
+    def pin(self, full_tree):
+        """Full-shape leaves (weights, or their gradients) constrained to their tensor sharding, so
+        that GSPMD splits the matmuls that make them the same way in every program."""
+        if self.auto_specs is None:
+            return full_tree
+        leaves = self.treedef.flatten_up_to(full_tree)
+        return jax.tree.unflatten(self.treedef, [jax.lax.with_sharding_constraint(x, spec)
+                                                 for x, spec in zip(leaves, self.auto_specs)])
 
     def zeros(self):
         return jax.tree.unflatten(self.treedef, [jnp.zeros(self.local_shape(i), d) for i, d in enumerate(self.dtypes)])
@@ -80,14 +92,20 @@ def group_of(shapes_tree, specs_tree, mesh: Mesh, drop_leading: bool = False) ->
     one layer of stacked params."""
     leaves, treedef = jax.tree.flatten(shapes_tree)
     specs = treedef.flatten_up_to(specs_tree)
-    fsdp = mesh_lib.FSDP_AXIS
+    fsdp, tensor = mesh_lib.FSDP_AXIS, mesh_lib.TENSOR_AXIS
     dims = [mesh_lib.axis_position(spec, fsdp) for spec in specs]
     shapes = [tuple(x.shape) for x in leaves]
     if drop_leading:  # a stacked layer: the leading "layers" dim is never sharded
         assert all(d != 0 for d in dims), dims
         shapes, dims = [s[1:] for s in shapes], [d - 1 if d > 0 else -1 for d in dims]
+        specs = [PartitionSpec(*tuple(spec)[1:]) for spec in specs]
+    auto_specs = None
+    if mesh.shape[tensor] > 1:  # tensor is the only axis GSPMD partitions inside the step
+        auto_specs = tuple(PartitionSpec(*(a if a == tensor else None for a in tuple(spec) + (None,) * (len(shape)
+                                           - len(spec)))) for spec, shape in zip(specs, shapes))
     return Group(treedef=treedef, shapes=tuple(shapes), dtypes=tuple(jnp.dtype(x.dtype) for x in leaves),
-                 dims=tuple(dims), axis=fsdp, size=mesh.shape[fsdp], pack=mesh.shape[mesh_lib.TENSOR_AXIS] == 1)
+                 dims=tuple(dims), axis=fsdp, size=mesh.shape[fsdp], pack=mesh.shape[tensor] == 1,
+                 auto_specs=auto_specs)
 
 
 # -- channels: a group's running sum as float32 bits --------------------------------------------------
@@ -136,7 +154,7 @@ def summing_gather(group: Group, reducer: Reducer) -> Callable:
         return group.gather(local), channel
 
     def backward(channel, grads_full):
-        total = reducer.add(group, from_channel(channel, like), jax.tree.leaves(grads_full))
+        total = reducer.add(group, from_channel(channel, like), jax.tree.leaves(group.pin(grads_full)))
         return group.zeros(), to_channel(total)
 
     gather.defvjp(forward, backward)
@@ -172,20 +190,23 @@ class Partition:
     layer: Group | None
     n_layers: int
     stacked: bool  # scanned layers: the blocks' leaves carry a leading [n_layers] dim
+    activation_rule: activations.Rule | None = None  # the model's activations pinned so (see there)
 
     @classmethod
-    def of(cls, model_def, mesh: Mesh) -> Partition:
+    def of(cls, model_def, mesh: Mesh, activation_rule: activations.Rule | None = None) -> Partition:
         shapes = jax.eval_shape(model_def.init_params, jax.random.key(0))
         specs = mesh_lib.specs_from_logical(model_def.logical_axes)
         if not model_def.builtin:
-            return cls(top=group_of(shapes, specs, mesh), layer=None, n_layers=0, stacked=False)
+            return cls(top=group_of(shapes, specs, mesh), layer=None, n_layers=0, stacked=False,
+                       activation_rule=activation_rule)
         top = {k: v for k, v in shapes.items() if k != "blocks"}
         top_specs = {k: v for k, v in specs.items() if k != "blocks"}
         blocks, block_specs = shapes["blocks"], specs["blocks"]
         stacked = model_def.cfg.scan_layers
         layer = (group_of(blocks, block_specs, mesh, drop_leading=True) if stacked
                  else group_of(blocks[0], block_specs[0], mesh))
-        return cls(top=group_of(top, top_specs, mesh), layer=layer, n_layers=model_def.cfg.n_layers, stacked=stacked)
+        return cls(top=group_of(top, top_specs, mesh), layer=layer, n_layers=model_def.cfg.n_layers, stacked=stacked,
+                   activation_rule=activation_rule)
 
     def groups(self) -> list[Group]:
         """The group of each GroupSum of `Sums.flat()`."""
@@ -238,10 +259,11 @@ class Partition:
         """Logits from fsdp-local params, each group gathered where it is used (no gradient sums)."""
         top, blocks = self.split(params_local)
         params = self.join(self.top.gather(top), blocks)
-        if self.layer is None:
-            return model_def.forward(params, tokens_BxL, dropout_key)
-        return model_def.forward(params, tokens_BxL, dropout_key,
-                                 prepare_layer=lambda layer, _: self.layer.gather(layer))
+        with activations.rule(self.activation_rule):
+            if self.layer is None:
+                return model_def.forward(params, tokens_BxL, dropout_key)
+            return model_def.forward(params, tokens_BxL, dropout_key,
+                                     prepare_layer=lambda layer, _: self.layer.gather(layer))
 
     def value_and_sums(self, model_def, reducer: Reducer, loss_of_logits, params_local, tokens_BxL, dropout_key,
                        sums: Sums):
@@ -254,11 +276,12 @@ class Partition:
 
         def loss(channels: Sums):
             params = self.join(gather_top(top, channels.top), blocks)
-            if gather_layer is None:
-                logits = model_def.forward(params, tokens_BxL, dropout_key)
-            else:
-                logits = model_def.forward(params, tokens_BxL, dropout_key, prepare_layer=gather_layer,
-                                           layer_inputs=channels.layers)
+            with activations.rule(self.activation_rule):
+                if gather_layer is None:
+                    logits = model_def.forward(params, tokens_BxL, dropout_key)
+                else:
+                    logits = model_def.forward(params, tokens_BxL, dropout_key, prepare_layer=gather_layer,
+                                               layer_inputs=channels.layers)
             return loss_of_logits(logits)
 
         like = _shapes_of(sums)

@@ -28,6 +28,10 @@ LOGICAL_RULES: dict[str, str | None] = {
     "mlp": "tensor",
     "kv": None,
     "layers": None,  # stacked blocks of model.scan_layers: every device holds all layers' slices
+    # activations only (resilient_jax.activations): each virtual shard's rows stay on one device
+    "batch": None,
+    "length": None,
+    "kv_length": None,
 }
 
 
@@ -88,6 +92,21 @@ def shardings_from_logical(logical_tree, mesh: Mesh | AbstractMesh):
         lambda spec: NamedSharding(mesh, spec), specs_from_logical(logical_tree),
         is_leaf=lambda x: isinstance(x, PartitionSpec),
     )
+
+
+def activation_rule(mesh: Mesh | AbstractMesh, manual: frozenset):
+    """The activation rule (resilient_jax.activations) inside a shard_map manual over `manual`: each
+    dim's logical name -> its mesh axis if GSPMD partitions that axis there (an automatic axis of
+    size > 1), else whole. None when no such axis exists (nothing to pin)."""
+    auto = {axis for axis in MESH_AXES if axis not in manual and mesh.shape[axis] > 1}
+    if not auto:
+        return None
+
+    def rule(x, names):
+        axes = [LOGICAL_RULES.get(name) if name is not None else None for name in names]
+        return jax.lax.with_sharding_constraint(x, PartitionSpec(*(a if a in auto else None for a in axes)))
+
+    return rule
 
 
 def keep_axes(spec: PartitionSpec, axes) -> PartitionSpec:

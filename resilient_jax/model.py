@@ -1,7 +1,8 @@
 """Decoder-only transformer LM in Flax NNX: RMSNorm, rotary positions, causal attention, gated MLP.
 
 Parameters carry logical axis names ("vocab", "embed", "heads", "kv", "mlp", and "layers" for the
-stacked blocks of `scan_layers`) as metadata; how those map to mesh axes is decided in
+stacked blocks of `scan_layers`) as metadata, and activations name theirs the same way
+(`constrain`, with "batch", "length" and "kv_length" too); how those map to mesh axes is decided in
 resilient_jax.mesh, never here. Dropout takes an explicit key, so a forward pass is a pure function
 of (params, tokens, key).
 
@@ -19,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from resilient_jax.activations import constrain
 from resilient_jax.config import ModelConfig
 
 # remat name -> jax.checkpoint policy (None = save nothing but the block's inputs).
@@ -80,20 +82,22 @@ class Attention(nnx.Module):
         self.attention = cfg.attention
 
     def __call__(self, x_BxLxD: jax.Array, key: jax.Array | None) -> jax.Array:
-        dtype = x_BxLxD.dtype
-        q = rotary(jnp.einsum("bld,dhk->blhk", x_BxLxD, self.wq[...].astype(dtype)), self.rope_base)
-        k = rotary(jnp.einsum("bld,dhk->blhk", x_BxLxD, self.wk[...].astype(dtype)), self.rope_base)
-        v = jnp.einsum("bld,dhk->blhk", x_BxLxD, self.wv[...].astype(dtype))
+        dtype, heads = x_BxLxD.dtype, ("batch", "length", "heads", "kv")
+        q = constrain(rotary(jnp.einsum("bld,dhk->blhk", x_BxLxD, self.wq[...].astype(dtype)), self.rope_base), heads)
+        k = constrain(rotary(jnp.einsum("bld,dhk->blhk", x_BxLxD, self.wk[...].astype(dtype)), self.rope_base), heads)
+        v = constrain(jnp.einsum("bld,dhk->blhk", x_BxLxD, self.wv[...].astype(dtype)), heads)
         if self.attention == "dot_product":
             # XLA's softmax attention on CPU, cuDNN's fused flash attention on GPU where it applies.
             out_BxLxHxK = jax.nn.dot_product_attention(q, k, v, is_causal=True)
         else:
             out_BxLxHxK = self._explicit_attention(q, k, v, key)
-        return jnp.einsum("blhk,hkd->bld", out_BxLxHxK, self.wo[...].astype(dtype))
+        out_BxLxHxK = constrain(out_BxLxHxK, heads)
+        return constrain(jnp.einsum("blhk,hkd->bld", out_BxLxHxK, self.wo[...].astype(dtype)), ("batch", "length", "embed"))
 
     def _explicit_attention(self, q, k, v, key):
         dtype, seq_len = q.dtype, q.shape[1]
         scores_BxHxLxL = jnp.einsum("bqhk,bshk->bhqs", q, k).astype(jnp.float32) * (q.shape[-1] ** -0.5)
+        scores_BxHxLxL = constrain(scores_BxHxLxL, ("batch", "heads", "length", "kv_length"))
         causal = jnp.tril(jnp.ones((seq_len, seq_len), dtype=bool))
         scores_BxHxLxL = jnp.where(causal, scores_BxHxLxL, jnp.finfo(jnp.float32).min)
         # exp(x - logsumexp) rather than jax.nn.softmax's exp / sum: XLA rewrites the backward
@@ -111,9 +115,10 @@ class GatedMLP(nnx.Module):
         self.w_down = _param(rngs, (cfg.d_ff, cfg.d_model), ("mlp", "embed"))
 
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
-        dtype = x_BxLxD.dtype
-        gate = jax.nn.silu(x_BxLxD @ self.w_gate[...].astype(dtype))
-        return (gate * (x_BxLxD @ self.w_up[...].astype(dtype))) @ self.w_down[...].astype(dtype)
+        dtype, hidden = x_BxLxD.dtype, ("batch", "length", "mlp")
+        gate = jax.nn.silu(constrain(x_BxLxD @ self.w_gate[...].astype(dtype), hidden))
+        up = constrain(x_BxLxD @ self.w_up[...].astype(dtype), hidden)
+        return constrain((gate * up) @ self.w_down[...].astype(dtype), ("batch", "length", "embed"))
 
 
 class Block(nnx.Module):
@@ -181,10 +186,11 @@ class TransformerLM(nnx.Module):
         a time (ZeRO-3). `layer_inputs`: what the hook gets for each layer, opaque to the model
         (stacked on a leading [n_layers] dim with scan_layers, else a sequence; None: None each).
         """
-        x = jnp.take(self.embed[...], tokens_BxL, axis=0).astype(self.dtype)
-        x = self._run_blocks(x, dropout_key, prepare_layer, layer_inputs)
+        stream = ("batch", "length", "embed")
+        x = constrain(jnp.take(self.embed[...], tokens_BxL, axis=0).astype(self.dtype), stream)
+        x = constrain(self._run_blocks(x, dropout_key, prepare_layer, layer_inputs), stream)
         x = self.final_norm(x)
-        return (x @ self.unembed[...].astype(self.dtype)).astype(jnp.float32)
+        return constrain((x @ self.unembed[...].astype(self.dtype)).astype(jnp.float32), ("batch", "length", "vocab"))
 
     def _run_blocks(self, x_BxLxD: jax.Array, dropout_key: jax.Array | None, prepare_layer, layer_inputs) -> jax.Array:
         def call_block(block: Block, x: jax.Array, key: jax.Array | None, layer_input) -> jax.Array:

@@ -199,7 +199,7 @@ class ExactSum:
         the other members' shards: inside the backward pass, once per layer and shard."""
         with jax.enable_x64(True):
             quantised = [quantize(g, p, self.bits) for g, p in zip(grads, state.plan)]
-            if group.size > 1 or not group.pack:
+            if group.size > 1:
                 # The group's members agree on each block's finest lsb and largest exponent (exact),
                 # shift to it and sum over fsdp.
                 stats = collectives.pmax([jnp.stack([-x.lsb, x.exp]) for x in quantised], group.axis, pack=group.pack)

@@ -320,7 +320,7 @@ class _GridSpecs:
         param_specs = mesh_lib.specs_from_logical(model_def.logical_axes)
         return cls(mesh=mesh, model_def=model_def, manual=manual,
                    manual_specs=jax.tree.map(lambda spec: mesh_lib.keep_axes(spec, manual), param_specs),
-                   partition=fsdp.Partition.of(model_def, mesh),
+                   partition=fsdp.Partition.of(model_def, mesh, mesh_lib.activation_rule(mesh, manual)),
                    uneven=plan.slots_per_device > plan.shards_per_device)
 
     @property

@@ -230,3 +230,26 @@ def test_prepare_layer_gathers_one_fsdp_sharded_layer_at_a_time_inside_the_scan(
     leaves = len(jax.tree.leaves(params["blocks"]))
     # Gathered per layer and per pass: at least one all-gather per block leaf per layer.
     assert stats.collective_count.get("all-gather", 0) >= leaves * cfg.n_layers
+
+
+def test_every_activation_the_model_constrains_names_one_known_logical_axis_per_dim():
+    """The model names its activations' dims (resilient_jax.activations) so the step can pin them to
+    the mesh (tensor parallelism); outside a rule the call changes nothing."""
+    from resilient_jax import activations
+    from resilient_jax.mesh import LOGICAL_RULES
+
+    model_def, params = _params()
+    tokens = jnp.zeros((2, 6), jnp.int32)
+    seen = []
+
+    def record(x, names):
+        seen.append((x.shape, tuple(names)))
+        return x
+
+    with activations.rule(record):
+        logits = model_def.forward(params, tokens)
+    assert len(seen) >= 4 * CFG.n_layers  # q, k, v, attention out, scores, mlp hidden... per block
+    for shape, names in seen:
+        assert len(names) == len(shape) and all(n in LOGICAL_RULES for n in names), (shape, names)
+    assert ((2, 6, CFG.vocab_size), ("batch", "length", "vocab")) in seen
+    np.testing.assert_array_equal(np.asarray(logits), np.asarray(model_def.forward(params, tokens)))
