@@ -88,8 +88,6 @@ def scatter_sum(tree, scatter_dims, *, axis: str, size: int, pack: bool = True):
         return jax.tree.unflatten(treedef, [
             lax.psum_scatter(x, axis, scatter_dimension=d, tiled=True) if d >= 0 else lax.psum(x, axis)
             for x, d in zip(leaves, dims)])
-    if size == 1:
-        return tree
     scattered = [i for i, d in enumerate(dims) if d >= 0]
     whole = [i for i, d in enumerate(dims) if d < 0]
     out = [None] * len(leaves)
@@ -121,8 +119,9 @@ def gather(tree, gather_dims, *, axis: str, size: int, pack: bool = True):
     all-gather per dtype -- or, with `pack=False`, one per leaf. Packing flattens each leaf, which
     drops the automatic (GSPMD) sharding of its other dims: with `tensor` > 1 every tensor device
     would gather (and, in `scatter_sum`, sum) the whole leaf instead of its tensor slice. So
-    tensor-parallel runs gather per leaf (and keep the multi-operand risk this module exists for;
-    CPU kill tests run with tensor 1)."""
+    tensor-parallel runs use one collective per leaf -- each single-operand too, as long as XLA
+    does not combine them: XLA:CPU has no all-gather or reduce-scatter combiner, and CPU workers
+    run without its all-reduce one (resilient_jax.gpu_env)."""
     leaves, treedef = jax.tree.flatten(tree)
     dims = treedef.flatten_up_to(gather_dims)
     out = list(leaves)

@@ -1,7 +1,8 @@
 """FSDP (ZeRO-3) inside the compute shard_map: weights are all-gathered one parameter group at a
 time where the model uses them, and each virtual shard's gradient of that group is summed over
-`fsdp` inside the backward pass -- so no device ever holds the whole model's weights, nor a
-whole-model gradient or accumulator.
+`fsdp` inside the backward pass -- so no device holds a whole-model gradient or accumulator, nor
+(with the model's remat `block` or `save_dots`, which re-gather each block in the backward pass)
+the whole model's weights.
 
 A *group* is a set of parameters gathered together. The built-in transformer has two kinds: one
 block (its `prepare_layer` hook gathers it inside the layer scan and inside the remat, so the
@@ -177,6 +178,16 @@ class Sums:
             return [self.top]
         return [self.top, *(self.layers if isinstance(self.layers, list) else [self.layers])]
 
+    def for_shard(self, live: jax.Array) -> Sums:
+        """These sums, about to add a real shard (`live` true) or a padding slot (nothing)."""
+        def set_live(gs: GroupSum) -> GroupSum:
+            return gs._replace(live=jnp.broadcast_to(live.astype(jnp.int32), gs.live.shape))
+
+        layers = self.layers
+        if layers is not None:
+            layers = [set_live(gs) for gs in layers] if isinstance(layers, list) else set_live(layers)
+        return Sums(top=set_live(self.top), layers=layers)
+
 
 jax.tree_util.register_dataclass(Sums, data_fields=["top", "layers"], meta_fields=[])
 
@@ -246,11 +257,10 @@ class Partition:
 
     def init(self, reducer: Reducer, plans: list | None = None) -> Sums:
         """Nothing added yet; `plans`: pass 2's fixed lsb per GroupSum of `flat()` (exact only)."""
-        groups = self.groups()
-        plans = plans if plans is not None else [None] * len(groups)
-        if self.layer is None:
-            return Sums(top=reducer.init(self.top, plans[0]), layers=None)
+        plans = plans if plans is not None else [None] * len(self.groups())
         top = reducer.init(self.top, plans[0])
+        if self.layer is None:
+            return Sums(top=top, layers=None)
         if self.stacked:
             return Sums(top=top, layers=reducer.init(self.layer, plans[1], stack=(self.n_layers,)))
         return Sums(top=top, layers=[reducer.init(self.layer, p) for p in plans[1:]])

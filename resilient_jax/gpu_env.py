@@ -32,14 +32,17 @@ MEM_FRACTION_ENV = "XLA_CLIENT_MEM_FRACTION"
 # The deprecated name of MEM_FRACTION_ENV; jaxlib raises if both are set, so either one set means "user's".
 DEPRECATED_MEM_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 
-# One process per node owns its 8 GPUs, and the 8 B config needs more than JAX's default 75% of
-# HBM (configs/gpu-46node-4region.yaml). The remaining 10% (~8 GiB on an 80 GB H100) is for what
-# lives outside XLA's pool: the CUDA context, cuBLAS/cuDNN workspaces and NCCL's buffers.
+# One process per node owns its 8 GPUs; the 8 B configs' measured peak (93.1 GiB native, 75.8
+# invariant: configs/gpu-46node-4region.yaml) fits JAX's default 75% of an H200 only just, and
+# not of an 80 GB GPU. The remaining 10% (~14 GiB of 141) is for what lives outside XLA's pool:
+# the CUDA context, cuBLAS/cuDNN workspaces and NCCL's buffers.
 GPU_MEM_FRACTION = "0.90"
 
 # Switching either off breaks bitwise reproducibility on GPU; see check_invariant_supported.
 DETERMINISM_FLAGS = ("xla_gpu_deterministic_ops", "xla_gpu_exclude_nondeterministic_ops")
 
+# Fast min/max drops NaNs from min and max (off by default on both platforms).
+NAN_PROPAGATION_FLAGS = ("xla_cpu_enable_fast_min_max", "xla_gpu_enable_fast_min_max")
 _TRUE_VALUES = ("", "true", "1")  # how XLA's flag parser reads a bool flag as on ("" = bare --flag)
 
 
@@ -135,15 +138,25 @@ def _variable_is_set(environ: Mapping[str, str], name: str) -> bool:
 
 
 def check_invariant_supported(cfg: Config, platform: str, xla_flags: str) -> None:
-    """Refuse `parallel.reduction: invariant` on a GPU whose XLA_FLAGS turn determinism off.
+    """Refuse `parallel.reduction: invariant` where XLA_FLAGS break what it relies on.
 
     Invariant mode promises the same bits for the same (config, data, step); a GPU running
     nondeterministic kernels (atomics in scatter and reductions, autotuned GEMM choices) breaks that
-    silently. XLA reads a bool flag's last occurrence, so that is the one judged here.
+    silently. And the exact reduction finds a shard's non-finite gradient from its block maxima,
+    which fast min/max (on any platform) would let through: a NaN lost in `max`. XLA reads a bool
+    flag's last occurrence, so that is the one judged here.
     """
-    if cfg.parallel.reduction != "invariant" or platform.lower() not in GPU_PLATFORMS:
+    if cfg.parallel.reduction != "invariant":
         return
     settings = parse_xla_flags(xla_flags)
+    for name in NAN_PROPAGATION_FLAGS:
+        if name in settings and settings[name].lower() in _TRUE_VALUES:
+            raise ConfigError(
+                f"parallel.reduction=invariant detects a NaN gradient through max, which XLA_FLAGS "
+                f"--{name}={settings[name]} lets drop NaNs: remove that flag, or set parallel.reduction=native"
+            )
+    if platform.lower() not in GPU_PLATFORMS:
+        return
     for name in DETERMINISM_FLAGS:
         if name in settings and settings[name].lower() not in _TRUE_VALUES:
             raise ConfigError(
@@ -167,7 +180,14 @@ def parse_xla_flags(xla_flags: str) -> dict[str, str]:
 
 
 def merge_xla_flags(existing: str, flags: Mapping[str, str]) -> str:
-    """`existing` unchanged, then each of `flags` that it does not already set."""
+    """`existing` unchanged, then each of `flags` that it does not already set -- except the list
+    of disabled passes, whose entries are added to the user's (theirs stay, ours are needed)."""
     present = parse_xla_flags(existing)
     added = [f"--{name}={value}" for name, value in flags.items() if name not in present]
+    passes = "xla_disable_hlo_passes"
+    if passes in flags and passes in present:
+        theirs = [p for p in present[passes].split(",") if p]
+        missing = [p for p in flags[passes].split(",") if p not in theirs]
+        if missing:
+            added.append(f"--{passes}={','.join(theirs + missing)}")  # XLA reads the last occurrence
     return " ".join(part for part in (existing.strip(), *added) if part)

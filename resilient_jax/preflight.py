@@ -20,12 +20,16 @@ import os
 import tempfile
 from pathlib import Path
 
+from resilient_jax import gpu_env
+
 from resilient_jax.config import Config, ConfigError
 from resilient_jax.faults import ELASTIC_ONLY, Fault, parse_faults
 
 
 def check_run(cfg: Config) -> None:
     """Raises ConfigError / DatasetError (both ValueError, one line) for a run that cannot work."""
+    # Refuse invariant mode where XLA_FLAGS break it, before any host or device starts.
+    gpu_env.check_invariant_supported(cfg, gpu_env.detect_platform(), os.environ.get("XLA_FLAGS", ""))
     faults = parse_faults(cfg.faults)
     check_faults(cfg, faults)
     check_plugins(cfg)

@@ -103,6 +103,7 @@ class GroupSum(NamedTuple):
     accs: list  # per leaf: an IntAccumulator (exact) or a float32 array (native), fsdp-local
     plan: list | None  # exact: per leaf and block, the fixed lsb of pass 2 or LSB_NONE (pass 1)
     nonfinite: jax.Array  # int32: the LAST shard's gradient of this group had a non-finite element
+    live: jax.Array  # int32, set before each shard: 0 for a padding slot, whose gradient adds nothing
 
 
 def _expand(block_x: jax.Array, ndim: int) -> jax.Array:
@@ -143,16 +144,18 @@ class Quantised(NamedTuple):
     finite: jax.Array  # bool: every element of the leaf is finite
 
 
-def quantize(g: jax.Array, plan: jax.Array, bits: int) -> Quantised:
+def quantize(g: jax.Array, plan: jax.Array, bits: int, live: jax.Array) -> Quantised:
     """One shard's gradient leaf, quantised: to the plan's fixed lsb per block (pass 2) or, where
     the plan says LSB_NONE, to the block's own exponent - `bits` (pass 1). A function of this
-    shard's values alone.
+    shard's values alone; all zeros where `live` is 0 (a padding slot: zero loss weight, but a
+    loss of your own may still give it a NaN gradient).
 
     A non-finite element makes its block's maximum non-finite, which `finite` reports; that block's
     integers are then meaningless, and the step never uses them: a shard with a non-finite
     gradient is quarantined and the step recomputed without it."""
     with jax.enable_x64(True):
-        amax = block_max(g)
+        live = live > 0
+        amax = jnp.where(live, block_max(g), jnp.float32(0))
         e = block_exponent(amax)
         lsb = jnp.where(plan == LSB_NONE, e - jnp.int32(bits), plan)
         lsb = jnp.where(e == EXP_NONE, jnp.int32(LSB_NONE), lsb)
@@ -165,7 +168,8 @@ def quantize(g: jax.Array, plan: jax.Array, bits: int) -> Quantised:
         scale = jnp.clip(-lsb, -252, 252)
         half = scale // 2
         y = g * _expand(_pow2(half), g.ndim) * _expand(_pow2(scale - half), g.ndim)
-        return Quantised(q=jnp.rint(y).astype(jnp.int64), lsb=lsb, exp=e, finite=jnp.all(jnp.isfinite(amax)))
+        q = jnp.where(live, jnp.rint(y).astype(jnp.int64), jnp.int64(0))
+        return Quantised(q=q, lsb=lsb, exp=e, finite=jnp.all(jnp.isfinite(amax)))
 
 
 def _any_nonfinite(grads) -> jax.Array:
@@ -174,8 +178,6 @@ def _any_nonfinite(grads) -> jax.Array:
 
 class ExactSum:
     """`invariant`: integer fixed point (the module docstring)."""
-
-    name = "invariant"
 
     def __init__(self, num_shards: int):
         # Headroom from the REAL shard count: padding shards add exact zeros, and a width that followed
@@ -192,13 +194,14 @@ class ExactSum:
                     for i, shape in enumerate(group.shapes)]
             if plan is None:
                 plan = [jnp.full(stack + block_shape(shape), LSB_NONE, jnp.int32) for shape in group.shapes]
-            return GroupSum(accs=accs, plan=list(plan), nonfinite=jnp.zeros(stack, jnp.int32))
+            return GroupSum(accs=accs, plan=list(plan), nonfinite=jnp.zeros(stack, jnp.int32),
+                            live=jnp.ones(stack, jnp.int32))
 
     def add(self, group: Group, state: GroupSum, grads: list) -> GroupSum:
         """state + one shard's full gradient of the group (`grads`, per leaf), summed over fsdp with
         the other members' shards: inside the backward pass, once per layer and shard."""
         with jax.enable_x64(True):
-            quantised = [quantize(g, p, self.bits) for g, p in zip(grads, state.plan)]
+            quantised = [quantize(g, p, self.bits, state.live) for g, p in zip(grads, state.plan)]
             if group.size > 1:
                 # The group's members agree on each block's finest lsb and largest exponent (exact),
                 # shift to it and sum over fsdp.
@@ -217,7 +220,7 @@ class ExactSum:
                          + _shift_left(s, _expand(group.local_blocks(m - new_lsb, i), s.ndim)))
                 accs.append(IntAccumulator(acc=total, lsb=new_lsb, exp=jnp.maximum(acc.exp, e)))
             finite = jnp.all(jnp.stack([x.finite for x in quantised]))
-            return GroupSum(accs=accs, plan=state.plan, nonfinite=(~finite).astype(jnp.int32))
+            return state._replace(accs=accs, nonfinite=(~finite).astype(jnp.int32))
 
     @staticmethod
     def global_stats(accs: list, data_axis: str) -> tuple[list, list]:
@@ -226,6 +229,14 @@ class ExactSum:
         with jax.enable_x64(True):
             packed = collectives.pmax([jnp.stack([-a.lsb, a.exp]) for a in accs], data_axis)
             return [-p[0] for p in packed], [p[1] for p in packed]
+
+    def fits(self, lsb: list, exp: list) -> jax.Array:
+        """True if no sum of the shards quantised so can overflow int64 (bool scalar)."""
+        return fits(lsb, exp, self.num_shards)
+
+    def fixed_lsb(self, exp: list) -> list:
+        """Pass 2's lsb per block (see `fixed_lsb`)."""
+        return fixed_lsb(exp, self.num_shards)
 
     @staticmethod
     def aligned(group: Group, accs: list, lsb: list) -> list:
@@ -236,7 +247,8 @@ class ExactSum:
 
     @staticmethod
     def to_float(group: Group, summed: list, lsb: list) -> list:
-        """The summed integers back to float32 (rounded once, from the exact sum)."""
+        """The summed integers back to float32 (int64 -> float64 -> float32: rounded from the exact
+        sum, the same way whoever summed it)."""
         with jax.enable_x64(True):
             out = []
             for i, (x, m) in enumerate(zip(summed, lsb)):
@@ -250,16 +262,15 @@ class FloatSum:
     """`native`: float reduce-scatter over fsdp and all-reduce over data; XLA picks the order, which
     depends on the layout, so bits drift when it changes."""
 
-    name = "native"
-
     def init(self, group: Group, plan=None, stack: tuple[int, ...] = ()) -> GroupSum:
         return GroupSum(accs=[jnp.zeros(stack + group.local_shape(i), jnp.float32) for i in range(len(group.shapes))],
-                        plan=None, nonfinite=jnp.zeros(stack, jnp.int32))
+                        plan=None, nonfinite=jnp.zeros(stack, jnp.int32), live=jnp.ones(stack, jnp.int32))
 
     def add(self, group: Group, state: GroupSum, grads: list) -> GroupSum:
-        summed = collectives.scatter_sum([g.astype(jnp.float32) for g in grads], list(group.dims), axis=group.axis,
-                                         size=group.size, pack=group.pack)
-        return GroupSum(accs=[a + s for a, s in zip(state.accs, summed)], plan=None, nonfinite=_any_nonfinite(grads))
+        nonfinite = _any_nonfinite(grads)
+        grads = [jnp.where(state.live > 0, g.astype(jnp.float32), jnp.float32(0)) for g in grads]
+        summed = collectives.scatter_sum(grads, list(group.dims), axis=group.axis, size=group.size, pack=group.pack)
+        return state._replace(accs=[a + s for a, s in zip(state.accs, summed)], nonfinite=nonfinite)
 
 
 Reducer = ExactSum | FloatSum

@@ -45,7 +45,7 @@ class ModelDef:
     def forward(self, params, tokens_BxL: jax.Array, dropout_key: jax.Array | None = None, *,
                 prepare_layer=None, layer_inputs=None) -> jax.Array:
         """`prepare_layer`, `layer_inputs`: see TransformerLM.__call__ (a per-block params hook,
-        e.g. a per-layer gather); the built-in model's only (`has_layer_hook`)."""
+        e.g. a per-layer gather); the built-in model's only (`builtin`)."""
         state = jax.tree.map(lambda x: x, self.template)
         nnx.replace_by_pure_dict(state, params)
         model = nnx.merge(self.graphdef, state)

@@ -10,8 +10,10 @@ before `apply` ever sees it.
 Batch layout: every device of the data x fsdp grid (data-major) has C slots of b rows each; the
 global batch has G * C * b rows. A `ShardLayout` says which virtual shards each device computes:
 device g holds the `counts[g]` consecutive shards from `starts[g]` in its first slots, and runs
-exactly that many (a loop with a per-device trip count: a device with fewer shards finishes
-sooner, a device with none only joins the collectives). The uniform layout fills devices in
+that many (a loop with a per-device trip count: a device with fewer shards finishes sooner, a
+device with none only joins the collectives) -- with fsdp > 1, as many as the most of its fsdp
+group holds, since the group's members sum each shard's gradient together; the extra slots hold
+zero weights and add nothing. The uniform layout fills devices in
 order with S = ceil(V / G) shards each (C = S); an uneven one (resilient_jax.assignment: faster
 hosts hold more shards) needs C > S slots, from `runtime.max_share`. With the exact reduction
 the sum over shards is the same integer whoever computed which shard, so the layout changes no bit.
@@ -186,36 +188,38 @@ def make_compute(
             finite = jnp.isfinite(loss_sum) & jnp.all(jnp.stack([jnp.all(s.nonfinite == 0) for s in sums.flat()]))
             return sums, (loss_sum, weight_sum, finite, jnp.isfinite(row_loss))
 
-    def shard_loop(params, step, tokens, weights, first, trip, sums):
-        """Run this device's shards (first, first+1, ...) in its slots, one after another.
+    def shard_loop(params, step, tokens, weights, first, count, trip, sums):
+        """Run this device's `count` shards (first, first+1, ...) in its slots, one after another.
 
         A loop, not vmap: each shard runs with identical shapes, so its bits do not depend on how
         many shards this device holds (vmap batched the matmuls and changed the bits). The trip
         count is this device's own (a traced value; the most of its fsdp group's when fsdp > 1,
         since every shard's backward pass sums over the group): slots past its count hold zero
-        weights and add exact zeros.
+        weights, and their gradients add nothing (`Sums.for_shard`).
         """
         tok, w = tokens.reshape(C, b, -1), weights.reshape(C, b, -1)
-        stats0 = (jnp.zeros(C, jnp.float32), jnp.zeros(C, jnp.float32), jnp.zeros(C, bool), jnp.zeros((C, b), bool))
 
         def body(i, carry):
             sums, stats = carry
-            sums, one = shard_grad(params, sums, step, tok[i], w[i], first + i)
+            sums, one = shard_grad(params, sums.for_shard(i < count), step, tok[i], w[i], first + i)
             return sums, tuple(s.at[i].set(x) for s, x in zip(stats, one))
 
         # A plan without spare slots (uniform only) runs all C slots, padding ones with zero weight
         # (exact zeros): a counted loop, whose trip count XLA's analyses know (resilient_jax.hlo_stats).
-        return lax.fori_loop(0, trip if grid.uneven else C, body, (sums, stats0))
+        return lax.fori_loop(0, trip if grid.uneven else C, body, (sums, no_stats()))
+
+    def no_stats():
+        return jnp.zeros(C, jnp.float32), jnp.zeros(C, jnp.float32), jnp.zeros(C, bool), jnp.zeros((C, b), bool)
 
     def per_device(params_local, tokens, weights, step, layout):
-        first, trip = grid.my_shards(layout)
+        first, count, trip = grid.my_shards(layout)
         if mode == "native":
-            sums, stats = shard_loop(params_local, step, tokens, weights, first, trip, partition.init(reducer))
+            sums, stats = shard_loop(params_local, step, tokens, weights, first, count, trip, partition.init(reducer))
             grads = partition.params_from(collectives.tree_data_sum([gs.accs for gs in sums.flat()], data, regions))
             passes = jnp.int32(1)
         else:
             with jax.enable_x64(True):
-                grads, stats, passes = exact_grads(params_local, step, tokens, weights, first, trip)
+                grads, stats, passes = exact_grads(params_local, step, tokens, weights, first, count, trip)
         loss_V, weight_V, finite_V, row_finite = _gather_stats(_ShardStats(*stats), grid.grid_axes, layout.slots)
         total_weight = jnp.maximum(reduce.ordered_sum(weight_V, V), 1.0)
         grads = jax.tree.map(lambda g: g / total_weight, grads)
@@ -228,21 +232,19 @@ def make_compute(
             passes=passes,
         )
 
-    def exact_grads(params, step, tokens, weights, first, trip):
+    def exact_grads(params, step, tokens, weights, first, count, trip):
         def attempt(carry):
             plans, _, _, _, _, tries = carry
-            sums, stats = shard_loop(params, step, tokens, weights, first, trip, partition.init(reducer, plans))
+            sums, stats = shard_loop(params, step, tokens, weights, first, count, trip, partition.init(reducer, plans))
             accs = [a for gs in sums.flat() for a in gs.accs]
             lsb, exp = reducer.global_stats(accs, data)
-            ok = reduce.fits(lsb, exp, V)
-            return partition.per_group(reduce.fixed_lsb(exp, V)), ok, sums, lsb, stats, tries + 1
+            return partition.per_group(reducer.fixed_lsb(exp)), reducer.fits(lsb, exp), sums, lsb, stats, tries + 1
 
         # Pass 1 always; pass 2 only when pass 1 could have overflowed (the same decision on
         # every device: `ok` comes from exact all-reduces).
         first_sums = partition.init(reducer)
-        stats0 = (jnp.zeros(C, jnp.float32), jnp.zeros(C, jnp.float32), jnp.zeros(C, bool), jnp.zeros((C, b), bool))
         init = ([gs.plan for gs in first_sums.flat()], jnp.bool_(False), first_sums,
-                [a.lsb for gs in first_sums.flat() for a in gs.accs], stats0, jnp.int32(0))
+                [a.lsb for gs in first_sums.flat() for a in gs.accs], no_stats(), jnp.int32(0))
         _, _, sums, lsb, stats, tries = lax.while_loop(lambda c: ~c[1], attempt, init)
         groups, lsb = partition.groups(), partition.per_group(lsb)
         aligned = [reducer.aligned(g, gs.accs, m) for g, gs, m in zip(groups, sums.flat(), lsb)]
@@ -278,7 +280,7 @@ def make_evaluate(model_def: ModelDef, mesh: Mesh, plan: ShardPlan, *, seed: int
     C, b = plan.slots_per_device, plan.rows_per_shard
 
     def per_device(params_local, tokens, weights, batch, layout):
-        first, trip = grid.my_shards(layout)
+        first, _, trip = grid.my_shards(layout)
         tok, w = tokens.reshape(C, b, -1), weights.reshape(C, b, -1)
 
         def body(i, sums):
@@ -327,16 +329,15 @@ class _GridSpecs:
     def grid_axes(self) -> tuple[str, str]:
         return (mesh_lib.DATA_AXIS, mesh_lib.FSDP_AXIS)
 
-    def my_shards(self, layout: ShardLayout) -> tuple[jax.Array, jax.Array]:
-        """(first shard, trip count) of this grid device under `layout`: the trip count is its
-        shard count, or with fsdp > 1 the most of its fsdp group's (the group's members take part
-        in each other's gathers and gradient sums, shard by shard)."""
+    def my_shards(self, layout: ShardLayout) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(first shard, shard count, trip count) of this grid device under `layout`: the trip
+        count is its shard count, or with fsdp > 1 the most of its fsdp group's (the group's members
+        take part in each other's gathers and gradient sums, shard by shard)."""
         fsdp_size = self.mesh.shape[mesh_lib.FSDP_AXIS]
         row = lax.axis_index(mesh_lib.DATA_AXIS) * fsdp_size
         g = row + lax.axis_index(mesh_lib.FSDP_AXIS)
-        if fsdp_size == 1:
-            return layout.starts[g], layout.counts[g]
-        return layout.starts[g], jnp.max(lax.dynamic_slice_in_dim(layout.counts, row, fsdp_size))
+        trip = layout.counts[g] if fsdp_size == 1 else jnp.max(lax.dynamic_slice_in_dim(layout.counts, row, fsdp_size))
+        return layout.starts[g], layout.counts[g], trip
 
     def jit(self, per_device, out_specs, out_shardings_of):
         """per_device(params, tokens, weights, scalar, layout), shard-mapped and jitted: params

@@ -212,7 +212,8 @@ class Trainer:
 
     def _place(self, batch: data_lib.Batch, rows: tuple[int, int]) -> tuple[jax.Array, jax.Array]:
         """Host rows -> global arrays: each local device's shards in its first slots; the other
-        slots (never computed) hold zeros."""
+        slots hold zeros (zero weights: a slot computed only to keep an fsdp group in step adds
+        nothing)."""
         grid, C, b = self.local_grid(), self.plan.slots_per_device, self.plan.rows_per_shard
         tokens = np.zeros((len(grid) * C * b, batch.tokens.shape[1]), np.int32)
         weights = np.zeros((len(grid) * C * b, batch.weights.shape[1]), np.float32)

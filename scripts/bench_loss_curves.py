@@ -62,13 +62,13 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     args = parser.parse_args()
 
-    work = Path(tempfile.mkdtemp(prefix="bench-loss-curves-"))
     runs = {}
-    for name, reduction, seed in (("invariant", "invariant", args.seed), ("native", "native", args.seed),
-                                  ("native_other_seed", "native", args.seed + 1)):
-        print(f"{name}: parallel.reduction={reduction} train.seed={seed}", file=sys.stderr, flush=True)
-        runs[name] = run(args.config, [*args.overrides, f"train.steps={args.steps}", f"parallel.reduction={reduction}",
-                                       f"train.seed={seed}"], work / name)
+    with tempfile.TemporaryDirectory(prefix="bench-loss-curves-") as work:
+        for name, reduction, seed in (("invariant", "invariant", args.seed), ("native", "native", args.seed),
+                                      ("native_other_seed", "native", args.seed + 1)):
+            print(f"{name}: parallel.reduction={reduction} train.seed={seed}", file=sys.stderr, flush=True)
+            runs[name] = run(args.config, [*args.overrides, f"train.steps={args.steps}",
+                                           f"parallel.reduction={reduction}", f"train.seed={seed}"], Path(work) / name)
     smooth = {name: moving_average(x, args.window) for name, x in runs.items()}
     report = {"config": args.config, "steps": args.steps, "seed": args.seed, "window": args.window,
               "final_loss": {name: float(x[-1]) for name, x in runs.items()}}

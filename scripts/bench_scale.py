@@ -22,8 +22,8 @@ Three sections, one JSON report on stdout (progress on stderr):
            (its max RSS is reported) and nothing is executed.
 
 Per-device figures:
-  flops_xla        compiled.cost_analysis()["flops"] -- counts each while-loop body ONCE (lax.map over
-                   shards, scanned layers), so it under-counts looped programs;
+  flops_xla        compiled.cost_analysis()["flops"] -- counts each while-loop body ONCE (the loop over
+                   a device's shards, scanned layers), so it under-counts looped programs;
   dot_flops        matmul FLOPs from the compiled HLO with loop bodies multiplied by their trip counts
                    (resilient_jax.hlo_stats) -- use this one to compare meshes;
   temp/argument/output/alias_bytes   compiled.memory_analysis();

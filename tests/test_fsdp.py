@@ -41,13 +41,13 @@ class _BitsReducer:
         with jax.enable_x64(True):
             accs = [jnp.zeros(stack + group.local_shape(i), jnp.int64) for i in range(len(group.shapes))]
             return GroupSum(accs=accs, plan=[jnp.zeros(stack + (4,), jnp.int32) for _ in group.shapes],
-                            nonfinite=jnp.zeros(stack, jnp.int32))
+                            nonfinite=jnp.zeros(stack, jnp.int32), live=jnp.ones(stack, jnp.int32))
 
     def add(self, group, state, grads):
         with jax.enable_x64(True):
             accs = [a ^ jnp.asarray(self.pattern64.reshape(-1)[:a.size].reshape(a.shape)) for a in state.accs]
             plan = [p ^ jnp.asarray(self.pattern32[:4]) for p in state.plan]
-            return GroupSum(accs=accs, plan=plan, nonfinite=state.nonfinite + 1)
+            return state._replace(accs=accs, plan=plan, nonfinite=state.nonfinite + 1)
 
 
 @pytest.mark.parametrize("scan, remat", [(True, "save_dots"), (True, "block"), (False, "none")])
@@ -126,9 +126,10 @@ WIDE = ModelConfig(vocab_size=512, d_model=256, n_layers=4, n_heads=4, d_ff=1024
 _GATHER = re.compile(r"= (\w+)\[([\d,]*)\][^=]*? all-gather\(")
 
 
-@pytest.mark.parametrize("mode", ["invariant", "native"])
-def test_the_step_gathers_one_group_at_a_time_and_a_layer_costs_less_than_its_gathered_weights(mode):
-    four, n_params, model_def = _compiled_step(WIDE, 1, 8, mode)
+@pytest.mark.parametrize("mode, remat", [("invariant", "save_dots"), ("native", "save_dots"), ("invariant", "block")])
+def test_the_step_gathers_one_group_at_a_time_and_a_layer_costs_less_than_its_gathered_weights(mode, remat):
+    wide = dataclasses.replace(WIDE, remat=remat)
+    four, n_params, model_def = _compiled_step(wide, 1, 8, mode)
     hlo = four.as_text()
     # No all-gather brings more than the largest group (a layer, or embedding + unembedding).
     params = jax.eval_shape(model_def.init_params, jax.random.key(0))
@@ -139,10 +140,12 @@ def test_the_step_gathers_one_group_at_a_time_and_a_layer_costs_less_than_its_ga
     assert gathered and max(gathered) <= max(layer, top), (max(gathered), layer, top)
     # What one more layer adds to the step's temporaries: its fsdp slice of the running sum (int64
     # or float32, 1/8 of the layer) and what remat keeps -- less than a float32 copy of the layer's
-    # weights (measured: 1.33 bytes a layer parameter invariant, 0.70 native). Gathering the whole
-    # model up front and summing into whole-model accumulators (the step before resilient_jax.fsdp)
-    # added 17.5 and 11.8.
-    two = _compiled_step(dataclasses.replace(WIDE, n_layers=2), 1, 8, mode)[0]
+    # weights, which the backward pass gathers again (measured, bytes a layer parameter: save_dots
+    # 1.33 invariant, 0.70 native). Gathering the whole model up front and summing into whole-model
+    # accumulators (the step before resilient_jax.fsdp) added 17.5 and 11.8 with save_dots. (With
+    # remat "none" the block keeps everything for its backward pass, its gathered weights too:
+    # 5.7 bytes a layer parameter.)
+    two = _compiled_step(dataclasses.replace(wide, n_layers=2), 1, 8, mode)[0]
     per_layer = (four.memory_analysis().temp_size_in_bytes - two.memory_analysis().temp_size_in_bytes) / 2
     assert per_layer < 4 * layer, (per_layer, 4 * layer)
 
@@ -155,3 +158,30 @@ def test_device_memory_does_not_grow_with_the_shards_a_device_runs():
     two = _compiled_step(small, 2, 4, "invariant", shards_per_device=2)[0].memory_analysis().temp_size_in_bytes
     eight = _compiled_step(small, 2, 4, "invariant", shards_per_device=8)[0].memory_analysis().temp_size_in_bytes
     assert eight - two < 64 * 1024, (two, eight)
+
+
+def test_the_gpu_configs_path_scanned_layers_and_save_dots_has_the_same_bits_on_every_layout():
+    # tiny's widths with the GPU configs' block stack: stacked layers (blocks per layer, slices of
+    # stacked sums) and remat save_dots, invariant, on three (data, fsdp) layouts.
+    from resilient_jax.config import load_config
+
+    from conftest import TINY
+
+    cfg = load_config(TINY)
+    model_cfg = dataclasses.replace(cfg.model, scan_layers=True, remat="save_dots")
+    model_def = state_lib.make_model_def(model_cfg)
+    rs = np.random.default_rng(7)
+    tokens = rs.integers(0, 256, (48, 65), dtype=np.int32)
+    weights = np.ones((48, 64), np.float32)
+    params = model_def.init_params(jax.random.key(0))
+    grads = {}
+    for data, fsdp_size in ((8, 1), (4, 2), (1, 8)):
+        mesh = mesh_lib.build_mesh(ParallelConfig(data=data, fsdp=fsdp_size))
+        plan = step_lib.make_shard_plan(48, 24, data * fsdp_size)
+        compute = step_lib.make_compute(model_def, mesh, plan, seed=0, mode="invariant", use_dropout=True)
+        placed = jax.device_put(params, mesh_lib.shardings_from_logical(model_def.logical_axes, mesh))
+        result = compute(placed, tokens, weights, np.int32(0))
+        grads[(data, fsdp_size)] = [np.asarray(x) for x in jax.tree.leaves(result.grads)]
+    for layout, leaves in grads.items():
+        for a, b in zip(grads[(8, 1)], leaves):
+            np.testing.assert_array_equal(a, b, err_msg=str(layout))

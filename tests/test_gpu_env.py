@@ -183,3 +183,18 @@ def test_jaxlib_gpu_client_reads_the_variables(monkeypatch):
     assert options["abort_collectives_on_failure"] is True
     assert options["use_tfrt_gpu_client"] is True
     assert options["memory_fraction"] == pytest.approx(0.90)
+
+
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+def test_invariant_refuses_fast_min_max_which_would_drop_a_nan_gradient(platform):
+    # The exact reduction finds a shard's NaN gradient through its block maxima.
+    for name in ("xla_cpu_enable_fast_min_max", "xla_gpu_enable_fast_min_max"):
+        with pytest.raises(ConfigError, match=f"--{name}=true"):
+            gpu_env.check_invariant_supported(INVARIANT, platform, f"--{name}=true")
+        gpu_env.check_invariant_supported(INVARIANT, platform, f"--{name}=false")
+        gpu_env.check_invariant_supported(NATIVE, platform, f"--{name}=true")
+
+
+def test_a_users_disabled_passes_keep_ours_too():
+    env = gpu_env.worker_environment(INVARIANT, "cpu", environ={"XLA_FLAGS": "--xla_disable_hlo_passes=foo"})
+    assert gpu_env.parse_xla_flags(env["XLA_FLAGS"])["xla_disable_hlo_passes"] == "foo,cpu-all-reduce-combiner"

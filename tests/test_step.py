@@ -6,6 +6,7 @@ import functools
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -196,6 +197,7 @@ _COLLECTIVE = re.compile(r"\s(all-reduce|all-gather|reduce-scatter|all-to-all)\(
 _ONE_OPERAND_CHILD = """
 import json, sys
 import jax
+import jax.numpy as jnp
 import numpy as np
 jax.config.update("jax_num_cpu_devices", 8)
 sys.path.insert(0, sys.argv[1])
@@ -289,3 +291,35 @@ def test_a_shard_layout_must_place_every_shard_once():
         plan.layout([7, 5, 3, 3, 3, 3, 0, 0])
     with pytest.raises(ValueError, match="summing to 24"):
         plan.layout([3] * 7 + [2])
+
+
+def _inf_where_unweighted(logits_BxLxV, targets_BxL, weights_BxL, *, key):
+    """Next-token cross-entropy, plus an infinite loss (and gradient) on rows of zero weight (a loss
+    that divides by the row's weight does such things): those rows exist only in padding slots,
+    whose gradients must add nothing. (Infinity, not NaN: an int64 conversion saturates it, where a
+    NaN block happened to come out as an empty one.)"""
+    from resilient_jax.losses import next_token_cross_entropy
+
+    rows = next_token_cross_entropy(logits_BxLxV, targets_BxL, weights_BxL, key=key)
+    unweighted = jnp.where(jnp.sum(weights_BxL, axis=-1) > 0, 0.0, jnp.inf)
+    return rows + unweighted * jnp.sum(logits_BxLxV, axis=(1, 2))
+
+
+def test_a_non_finite_gradient_in_a_padding_slot_adds_nothing():
+    cfg, model_def, _, _ = _setup(8, 1)
+    tokens, weights = next(_batches(1))
+    grads = {}
+    for devices in (8, 5):  # 24 shards: 3 per device, or 5 per device with one padding slot
+        mesh = mesh_lib.build_mesh(ParallelConfig(data=devices, fsdp=1), jax.devices()[:devices])
+        plan = step_lib.make_shard_plan(48, 24, devices)
+        compute = step_lib.make_compute(model_def, mesh, plan, seed=0, mode="invariant", use_dropout=True,
+                                        loss_fn=_inf_where_unweighted)
+        pad = plan.padded_rows - 48
+        result = compute(_shared_params(8, 1), np.concatenate([tokens, np.zeros((pad, 65), np.int32)]),
+                         np.concatenate([weights, np.zeros((pad, 64), np.float32)]), np.int32(0))
+        assert np.asarray(result.shard_finite).all() and np.isfinite(float(result.loss))
+        grads[devices] = jax.tree.map(np.asarray, result.grads)
+    assert plan.padded_shards == 25
+    for a, b in zip(jax.tree.leaves(grads[8]), jax.tree.leaves(grads[5])):
+        assert np.isfinite(a).all()
+        np.testing.assert_array_equal(a, b)
