@@ -32,9 +32,9 @@ MEM_FRACTION_ENV = "XLA_CLIENT_MEM_FRACTION"
 # The deprecated name of MEM_FRACTION_ENV; jaxlib raises if both are set, so either one set means "user's".
 DEPRECATED_MEM_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 
-# One process per node owns its 8 GPUs; the 8 B configs' measured peak (93.1 GiB native, 75.8
-# invariant: configs/gpu-46node-4region.yaml) fits JAX's default 75% of an H200 only just, and
-# not of an 80 GB GPU. The remaining 10% (~14 GiB of 141) is for what lives outside XLA's pool:
+# One process per node owns its 8 GPUs; the 8 B configs' measured peak (56.9 GiB native, 68.9
+# invariant: configs/gpu-46node-4region.yaml) fits JAX's default 75% of an H200, but not of an
+# 80 GB GPU, and leaves less room for longer sequences. The remaining 10% (~14 GiB of 141) is for what lives outside XLA's pool:
 # the CUDA context, cuBLAS/cuDNN workspaces and NCCL's buffers.
 GPU_MEM_FRACTION = "0.90"
 

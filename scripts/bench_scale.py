@@ -14,12 +14,14 @@ Three sections, one JSON report on stdout (progress on stderr):
   gpu      per-device peak bytes of gpu-8b and gpu-46node-4region: one node's program (data=1 x
            fsdp=8 emulated devices, that node's share of the virtual shards, REAL d_model, d_ff, heads,
            vocab, seq_len and rows per shard, the config's remat/scan/attention settings) compiled
-           with 1 and 2 layers, extrapolated linearly in depth:
-               peak(L) = peak(2) + (L - 2) * (peak(2) - peak(1))
-           Each layer adds the same parameters, optimizer state, gradients and (with remat) one saved
-           block input, so every term is affine in L; the 1- and 2-layer compiles give the slope and
-           the embedding/unembedding/logits the intercept. Each compile runs in its own subprocess
-           (its max RSS is reported) and nothing is executed.
+           with 2 and 3 layers, extrapolated linearly in depth:
+               peak(L) = peak(3) + (L - 3) * (peak(3) - peak(2))
+           Each layer adds the same parameters, optimizer state, gradients and (with remat) what one
+           block keeps, so every term is affine in L; the 2- and 3-layer compiles give the slope and
+           the embedding/unembedding/logits the intercept. Not 1 layer: XLA removes a scan's loop of
+           one trip, which makes another program (gpu-8b native: 2.22 GB more temporaries from 1 to
+           2 layers, 0.93 GB from 2 to 3). Each compile runs in its own subprocess (its max RSS is
+           reported) and nothing is executed.
 
 Per-device figures:
   flops_xla        compiled.cost_analysis()["flops"] -- counts each while-loop body ONCE (the loop over
@@ -58,6 +60,7 @@ MESHES = ((1, 1), (8, 1), (2, 4), (1, 8))  # (data, fsdp); (1, 1) is the one-dev
 GPU_CONFIGS = {"gpu-8b": 128, "gpu-46node-4region": 368}  # config -> devices of its intended cluster
 GPUS_PER_NODE = 8
 GIB = 2**30
+DEPTHS = (2, 3)  # layers of the gpu section's two compiles (see the module docstring)
 
 
 def build_step(cfg, mesh):
@@ -351,7 +354,7 @@ def section_gpu(names: list[str], modes: list[str], timeout: float) -> dict:
         out[name] = {"node_program": shape}
         for mode in modes:
             by_depth = {}
-            for layers in (1, 2):
+            for layers in DEPTHS:
                 _log(f"gpu: {name} {mode} {layers} layer(s)")
                 by_depth[layers] = compile_in_subprocess(
                     config, [*overrides, f"model.n_layers={layers}", f"parallel.reduction={mode}"], 1, GPUS_PER_NODE,
@@ -359,13 +362,12 @@ def section_gpu(names: list[str], modes: list[str], timeout: float) -> dict:
             L = shape["n_layers"]
 
             def extrapolate(get):
-                p1, p2 = get(by_depth[1]), get(by_depth[2])
-                return p2 + (L - 2) * (p2 - p1)
+                low, high = (get(by_depth[d]) for d in DEPTHS)
+                return high + (L - DEPTHS[1]) * (high - low)
 
             phases = {ph: extrapolate(lambda r, ph=ph: r["phase_bytes"][ph]) for ph in ("compute", "apply")}
             out[name][mode] = {
-                "peak_bytes_1_layer": by_depth[1]["peak_bytes"],
-                "peak_bytes_2_layers": by_depth[2]["peak_bytes"],
+                **{f"peak_bytes_{d}_layers": by_depth[d]["peak_bytes"] for d in DEPTHS},
                 "phase_bytes_extrapolated": phases,
                 "peak_bytes_extrapolated": max(phases.values()),
                 "peak_gib_extrapolated": round(max(phases.values()) / GIB, 2),

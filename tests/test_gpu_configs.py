@@ -2,7 +2,7 @@
 and compile (really partitioned, buffers assigned) as a reduced copy on emulated CPU devices.
 
 The per-device peak of the full-size configs is measured by `scripts/bench_scale.py --sections gpu`
-(one node's program, real widths, 1 and 2 layers, extrapolated to the configs' depth).
+(one node's program, real widths, 2 and 3 layers, extrapolated to the configs' depth).
 """
 
 from __future__ import annotations
