@@ -5,6 +5,9 @@
 #   native                 XLA picks the fastest kernels
 #   native_deterministic   + --xla_gpu_deterministic_ops --xla_gpu_exclude_nondeterministic_ops
 #   invariant              always deterministic (gpu_env refuses invariant without the flags)
+# First, on the GPU: a gradient sum's channel (resilient_jax/fsdp.py) returns exactly the bits its
+# backward pass wrote, through the scanned, rematerialised model (tests/test_fsdp.py; checked on
+# CPU in CI, here on the GPU's own compiler).
 # Budget: <= 5 minutes on one H100/H200 (3 compiles of a 4-layer 1B-wide model + 12 steps each).
 # Prints one JSON report (section "throughput" of scripts/bench_scale.py) on stdout.
 #
@@ -32,6 +35,14 @@ if [[ "${smoke}" == 0 ]]; then
   # One GPU: the 1-device program of gpu-1b's widths (see section_throughput).
   export CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >&2
+fi
+
+if [[ "${smoke}" == 0 ]]; then
+  if "${PYTHON}" -c "import pytest" 2>/dev/null; then
+    "${PYTHON}" -m pytest -q -p no:cacheprovider tests/test_fsdp.py -k channel_returns_exactly >&2
+  else
+    echo "note: pytest is not installed (pip install -e '.[test]'): the channel check is skipped" >&2
+  fi
 fi
 
 limit=300
