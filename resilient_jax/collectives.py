@@ -75,6 +75,44 @@ def data_sum(flat: jax.Array, data_axis: str, groups: "RegionGroups | None" = No
     return full.reshape(-1)[:n]
 
 
+def data_slice_index(data_axis: str, groups: "RegionGroups | None" = None) -> jax.Array:
+    """Which of the `data`-size slices `data_scatter_sum` leaves this device with (traced int32):
+    its data index (flat), or j * regions + r for member j of the r-th region (equal regions)."""
+    if groups is None:
+        return lax.axis_index(data_axis)
+    region_count = len(groups.in_region)
+    index = [0] * len(groups.regions)
+    for r, members in enumerate(groups.in_region):
+        for j, d in enumerate(members):
+            index[d] = j * region_count + r
+    return jnp.asarray(index, jnp.int32)[lax.axis_index(data_axis)]
+
+
+def data_scatter_sum(x: jax.Array, data_axis: str, groups: "RegionGroups | None" = None) -> jax.Array:
+    """This device's slice (along dim 0, tiled, one of `data` many: `data_slice_index`) of
+    `lax.psum(x, data_axis)`: one reduce-scatter over data, or, region-aware (equal regions only),
+    a reduce-scatter within each region and then one of each slice across regions (the step that
+    crosses regions carries 1/k of the buffer, k members per region). x.shape[0] must be a
+    multiple of the data size."""
+    if groups is None:
+        return lax.psum_scatter(x, data_axis, scatter_dimension=0, tiled=True)
+    assert groups.uniform, "unequal regions have no reduce-scatter (data_sum)"
+    part = lax.psum_scatter(x, data_axis, scatter_dimension=0, tiled=True,
+                            axis_index_groups=[list(g) for g in groups.in_region])
+    return lax.psum_scatter(part, data_axis, scatter_dimension=0, tiled=True,
+                            axis_index_groups=[list(g) for g in groups.cross])
+
+
+def data_gather(x: jax.Array, data_axis: str, groups: "RegionGroups | None" = None) -> jax.Array:
+    """Every device's slice of `data_scatter_sum` (x: this device's), stacked [data, *x.shape] in
+    slice order: one all-gather, or one across regions and one within each region."""
+    if groups is None:
+        return lax.all_gather(x, data_axis, axis=0)
+    across = lax.all_gather(x, data_axis, axis=0, axis_index_groups=[list(g) for g in groups.cross])
+    within = lax.all_gather(across, data_axis, axis=0, axis_index_groups=[list(g) for g in groups.in_region])
+    return within.reshape((-1,) + x.shape)
+
+
 def scatter_sum(tree, scatter_dims, *, axis: str, size: int, pack: bool = True):
     """Per leaf: sum over `axis` (of `size` devices), scattered (tiled) along its `scatter_dims` entry
     (-1: kept whole): one reduce-scatter for the scattered leaves and one all-reduce for the whole

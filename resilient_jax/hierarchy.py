@@ -10,6 +10,10 @@ exact (integer) reduction any order gives the same bits, so the sum can instead 
        that crosses a region boundary, carrying 1/k of the buffer per member;
     3. within each region: an all-gather of the k slices.
 
+The exact sum over equal regions splits phase 2 too (collectives.data_scatter_sum): member j of
+every region reduce-scatters slice j across regions, each converts its part to float32, and the
+float32 parts come back by an all-gather across regions and one within.
+
 Regions of unequal size (46 nodes as 12+12+12+10, or any region after a host loss) cannot use a
 reduce-scatter with one group size, so phases 1 and 3 become all-reduces within the region (phase
 3 of a buffer that is zero outside each member's slice: exact), and members j >= k sit phase 2 out

@@ -163,7 +163,8 @@ def make_compute(
     at a time where the model uses them (ZeRO-3); each shard's gradient of a group is summed over
     fsdp inside the backward pass and added to the device's fsdp slice of the sum
     (resilient_jax.fsdp), in exact integers (`invariant`) or float (`native`); at the end the
-    slices are all-reduced over data. `tensor` stays automatic (GSPMD) when >1.
+    slices are summed over data (native: one all-reduce; invariant: an int64 reduce-scatter, then
+    a float32 all-gather of the converted slices). `tensor` stays automatic (GSPMD) when >1.
     `use_dropout`: give the model each shard's dropout key; `loss_fn`: task.loss, given its own key
     unless it is the deterministic default (see resilient_jax.rng and resilient_jax.losses).
     `regions`: sum over data in that region-aware order (resilient_jax.hierarchy) instead of flat.
@@ -247,9 +248,8 @@ def make_compute(
                 [a.lsb for gs in first_sums.flat() for a in gs.accs], no_stats(), jnp.int32(0))
         _, _, sums, lsb, stats, tries = lax.while_loop(lambda c: ~c[1], attempt, init)
         groups, lsb = partition.groups(), partition.per_group(lsb)
-        aligned = [reducer.aligned(g, gs.accs, m) for g, gs, m in zip(groups, sums.flat(), lsb)]
-        summed = collectives.tree_data_sum(aligned, data, regions)  # one int64 buffer
-        floats = [reducer.to_float(g, x, m) for g, x, m in zip(groups, summed, lsb)]
+        floats = reducer.floats_over_data(groups, [gs.accs for gs in sums.flat()], lsb, data,
+                                          mesh.shape[data], regions)
         return partition.params_from(floats), stats, tries
 
     rep = PartitionSpec()

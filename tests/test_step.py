@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import re
 
 import jax
@@ -323,3 +324,27 @@ def test_a_non_finite_gradient_in_a_padding_slot_adds_nothing():
     for a, b in zip(jax.tree.leaves(grads[8]), jax.tree.leaves(grads[5])):
         assert np.isfinite(a).all()
         np.testing.assert_array_equal(a, b)
+
+
+def test_the_exact_sum_over_data_reduce_scatters_integers_and_gathers_floats():
+    # The invariant step's sum over `data` never all-reduces the int64 gradient (8 bytes a
+    # parameter, twice the float32 all-reduce of native): each device gets its slice of the exact
+    # sum (an int64 reduce-scatter), converts it and the float32 slices are all-gathered. Measured
+    # on tiny 8x1: 1.64x native's collective bytes (2.02x with the int64 all-reduce).
+    from resilient_jax import hlo_stats
+
+    cfg, model_def, _, mesh = _setup(8, 1)
+    params = _shared_params(8, 1)
+    n_params = sum(x.size for x in jax.tree.leaves(params))
+    plan = step_lib.make_shard_plan(cfg.data.global_batch, cfg.parallel.virtual_shards, 8)
+    tokens, weights = next(_batches(1))
+    texts = {mode: _compute_fn(8, 1, mode).lower(params, tokens, weights, np.int32(0)).compile().as_text()
+             for mode in ("native", "invariant")}
+    reduced = [(dtype, math.prod(int(d) for d in dims.split(",") if d))
+               for dtype, dims in re.findall(r"= \(?(\w+)\[([\d,]*)\][^=]*? all-reduce(?:-start)?\(", texts["invariant"])]
+    assert all(size < n_params // 4 for dtype, size in reduced if dtype == "s64"), reduced
+    gathered = [math.prod(int(d) for d in dims.split(",") if d)
+                for dims in re.findall(r"= f32\[([\d,]*)\][^=]*? all-gather(?:-start)?\(", texts["invariant"])]
+    assert max(gathered) >= n_params, (gathered, n_params)
+    bytes_ = {mode: hlo_stats.analyze(text, 8).total_collective_bytes for mode, text in texts.items()}
+    assert bytes_["invariant"] <= 1.75 * bytes_["native"], bytes_
