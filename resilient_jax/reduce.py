@@ -259,7 +259,6 @@ class ExactSum:
                 out.append(jnp.where(_expand(m, x.ndim) == LSB_NONE, jnp.float32(0), scaled.astype(jnp.float32)))
             return out
 
-
     @staticmethod
     def floats_over_data(groups: list[Group], accs: list, lsb: list, data_axis: str, data_size: int,
                          regions: RegionGroups | None = None) -> list:
