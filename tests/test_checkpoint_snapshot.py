@@ -4,10 +4,7 @@ takes orbax's save call off the training thread (checkpoint/store.py)."""
 from __future__ import annotations
 
 import collections
-import os
-import sys
 import threading
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +13,6 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from resilient_jax.checkpoint import reader, snapshot
-from resilient_jax.checkpoint import store as store_lib
 from resilient_jax.checkpoint.store import CheckpointStore
 
 from test_checkpoint_errors import State, _context
@@ -89,58 +85,3 @@ def test_save_returns_while_orbax_is_still_inside_its_save_call(tmp_path, monkey
     restored = CheckpointStore.restore_arrays(tmp_path / "ckpt" / "1", jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state))
     assert np.asarray(restored.params["w"]).tobytes() == np.arange(64.0, dtype=np.float32).tobytes()
-
-
-@pytest.mark.skipif(sys.platform != "linux", reason="per-thread priorities are Linux's")
-def test_orbax_writes_at_a_lower_priority_than_the_training_thread(tmp_path, monkeypatch):
-    """orbax's save call, and every thread it starts (its commit thread; tensorstore's writers
-    where the save starts them), run below the training thread's priority, so a background write
-    takes a core only when the step leaves one idle: the threads of a real save are checked."""
-    if os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) >= 19:
-        pytest.skip("the tests already run at the lowest priority")
-    store = CheckpointStore(tmp_path / "ckpt", async_save=True)
-    priorities = {}
-    orbax_save = store._manager.save
-    started = threading.Thread.start
-
-    def priority() -> int:
-        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-
-    def noting_save(*args, **kwargs):
-        priorities["save call"] = priority()
-        return orbax_save(*args, **kwargs)
-
-    def noting_start(thread):
-        run = thread.run
-
-        def noted_run():
-            if not thread.name.startswith("checkpoint-save"):  # the saver itself: its initializer sets it
-                priorities.setdefault("threads", []).append(priority())
-            run()
-
-        thread.run = noted_run
-        return started(thread)
-
-    def tensorstore_threads() -> dict[int, int]:  # its C++ pool threads ("ts_pool_worker"): nice
-        found = {}
-        for task in Path("/proc/self/task").iterdir():
-            try:
-                if (task / "comm").read_text().startswith("ts_"):
-                    found[int(task.name)] = int((task / "stat").read_text().rsplit(")", 1)[1].split()[16])
-            except FileNotFoundError:
-                pass  # a thread that ended meanwhile
-        return found
-
-    monkeypatch.setattr(store._manager, "save", noting_save)
-    monkeypatch.setattr(threading.Thread, "start", noting_start)
-    before = tensorstore_threads()
-    store.save(1, State({"w": jnp.arange(64.0)}, {"m": jnp.ones((4, 4))}), _context(1))
-    store.wait()
-    started_by_save = {tid: nice for tid, nice in tensorstore_threads().items() if tid not in before}
-    store.close()
-    monkeypatch.undo()
-    assert reader.list_steps(tmp_path / "ckpt") == [1]
-    ours = priority()
-    assert priorities["save call"] == min(ours + store_lib.BACKGROUND_NICENESS, 19) > ours, priorities
-    assert priorities["threads"] and set(priorities["threads"]) == {priorities["save call"]}, priorities
-    assert set(started_by_save.values()) <= {priorities["save call"]}, started_by_save

@@ -22,9 +22,7 @@ Asynchronous saves: `save` dispatches one copy of each unique shard of the state
 (`snapshot.py`) and returns; the caller may then donate the state. Orbax's own save call -- its
 barriers, directory creation, metadata and the copy to host numpy that it writes from -- runs on
 the store's saver thread, so its fixed cost (0.1-0.2 s per save, mostly starting its writer
-threads) is not paid by the training thread; it runs at a lower scheduling priority, which the
-threads it starts inherit (`yield_to_training`), so the write does not slow the steps that run
-beside it where they keep the cores busy. At most one save waits to start: a `save` while the
+threads) is not paid by the training thread. At most one save waits to start: a `save` while the
 previous one has not yet reached orbax waits for it. A failed background write or commit (e.g. a
 full disk) surfaces as CheckpointSaveError at the next `save`, `wait` or `close`, and its temporary
 or uncommitted directory is removed; committed steps are never touched.
@@ -43,8 +41,6 @@ import logging
 import os
 import re
 import shutil
-import sys
-import threading
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -204,24 +200,6 @@ def remove_temporary(root: Path) -> list[Path]:
     return removed
 
 
-BACKGROUND_NICENESS = 19  # the lowest: CFS weight 15 against the training threads' 1024
-
-
-def yield_to_training() -> None:
-    """Lowers the calling thread's scheduling priority (Linux; elsewhere a no-op): the saver
-    thread runs with it, and so do the writer threads orbax (and, on its first use there,
-    tensorstore) starts from it, which inherit it. A background save then takes a core only when
-    the training step leaves one idle -- on a host whose cores the step keeps busy (CPU devices,
-    or a GPU host's input pipeline) the write waits, and the step does not."""
-    if sys.platform != "linux":
-        return  # setpriority on a thread id is Linux's; elsewhere it would name a process
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(os.getpriority(os.PRIO_PROCESS, tid) + BACKGROUND_NICENESS, 19))
-    except OSError as e:  # a sandbox that forbids it: saves still work, at the default priority
-        logging.getLogger(__name__).debug("checkpoint saver keeps its priority: %s", e)
-
-
 class CheckpointStore:
     def __init__(self, root: str | Path, *, async_save: bool = True,
                  keep: Callable[[Sequence[int]], set[int]] | None = None):
@@ -248,8 +226,7 @@ class CheckpointStore:
         self._pending_step: int | None = None
         self._async = async_save
         # Orbax's save call (see the module docstring), one at a time, in the order of `save`.
-        self._saver = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint-save",
-                                                            initializer=yield_to_training)
+        self._saver = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint-save")
         self._starting: concurrent.futures.Future | None = None
 
     # -- listing ------------------------------------------------------------------------------------
