@@ -178,6 +178,13 @@ def _any_nonfinite(grads) -> jax.Array:
     return jnp.any(jnp.stack([~jnp.all(jnp.isfinite(g)) for g in grads])).astype(jnp.int32)
 
 
+def _int_to_float32(x: jax.Array, lsb: jax.Array) -> jax.Array:
+    """x * 2^lsb as float32 (int64 -> float64 -> float32: rounded from the exact sum, the same way
+    whoever summed it); 0 where lsb is LSB_NONE. `lsb` broadcasts against x. Call under x64."""
+    scaled = jnp.ldexp(x.astype(jnp.float64), jnp.clip(lsb, -1100, 1100))
+    return jnp.where(lsb == LSB_NONE, jnp.float32(0), scaled.astype(jnp.float32))
+
+
 class ExactSum:
     """`invariant`: integer fixed point (the module docstring)."""
 
@@ -254,9 +261,7 @@ class ExactSum:
         with jax.enable_x64(True):
             out = []
             for i, (x, m) in enumerate(zip(summed, lsb)):
-                m = group.local_blocks(m, i)
-                scaled = jnp.ldexp(x.astype(jnp.float64), _expand(jnp.clip(m, -1100, 1100), x.ndim))
-                out.append(jnp.where(_expand(m, x.ndim) == LSB_NONE, jnp.float32(0), scaled.astype(jnp.float32)))
+                out.append(_int_to_float32(x, _expand(group.local_blocks(m, i), x.ndim)))
             return out
 
     @staticmethod
@@ -285,9 +290,7 @@ class ExactSum:
                                                         regions)
                     block = jnp.minimum((mine * n + jnp.arange(n, dtype=jnp.int32)) // width,
                                         block_lsb.shape[0] - 1)  # padding: the last block's (its value is 0)
-                    part_lsb = block_lsb[block]
-                    scaled = jnp.ldexp(part.astype(jnp.float64), jnp.clip(part_lsb, -1100, 1100))
-                    pieces.append(jnp.where(part_lsb == LSB_NONE, jnp.float32(0), scaled.astype(jnp.float32)))
+                    pieces.append(_int_to_float32(part, block_lsb[block]))
                     shapes.append(a.acc.shape)
             rows = collectives.data_gather(jnp.concatenate(pieces), data_axis, regions)  # [data, sum of slices]
             out, start = [], 0
