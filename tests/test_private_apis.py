@@ -16,7 +16,8 @@ def test_distributed_runtime_service_and_client_factories():
     doc = _jax.get_distributed_runtime_service.__doc__ or ""
     assert "recoverable" in doc and "heartbeat_timeout" in doc, doc
     doc = _jax.get_distributed_runtime_client.__doc__ or ""
-    assert "wait_at_barrier" in dir(_jax.DistributedRuntimeClient)
+    for method in ("key_value_increment", "key_value_set", "blocking_key_value_get"):  # world.barrier
+        assert method in dir(_jax.DistributedRuntimeClient), f"DistributedRuntimeClient lost {method}"
     for name in ("node_id", "init_timeout", "heartbeat_timeout", "use_compression", "missed_heartbeat_callback"):
         assert name in doc, f"get_distributed_runtime_client lost {name}: {doc}"
 

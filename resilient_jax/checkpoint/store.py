@@ -218,7 +218,11 @@ class CheckpointStore:
                          for name in (*CONTEXT_FIELDS, MANIFEST)})
         options = ocp.CheckpointManagerOptions(
             enable_async_checkpointing=async_save,
-            create=True,
+            # check_writable made the root on every process. Orbax's create=True would add a
+            # coordination-service barrier to opening the store, and a member dying while a world
+            # forms would hold every survivor in it for orbax's fixed 300 s barrier timeout (the
+            # controller's verdict aborts collectives, not coordination-service barriers).
+            create=False,
             preservation_policy=_Retention(keep) if keep is not None else None,
             save_root_metadata=False,
         )

@@ -484,8 +484,10 @@ class Worker:
             self.totals.compile_seconds += compiled.seconds
             log.info("generation %d: compiled the step in %.2f s (%s); gradient sum %s", self.generation,
                      compiled.seconds, compiled.describe(), trainer.reduction_order())
-            world_lib.barrier(f"compiled-{self.generation}", timeout_seconds=300)
-        except jax.errors.JaxRuntimeError as e:
+            # The controller's verdict (abort() clears coordinator_port) ends the wait at once.
+            world_lib.barrier(f"compiled-{self.generation}", timeout_seconds=300,
+                              aborted=lambda: self.coordinator_port is None)
+        except (jax.errors.JaxRuntimeError, world_lib.WorldAborted, TimeoutError) as e:
             # A member died while this world was forming (the adoption broadcast or the barrier
             # failed): what this host kept from the last world is unchanged; ask for the next one.
             self.life.fire(Event.FAILED, f"forming generation {self.generation}: {str(e).splitlines()[0][:200]}")

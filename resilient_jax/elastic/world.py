@@ -9,7 +9,7 @@ death of process 0 aborts every survivor. Here the service lives in the controll
 Private APIs used (pinned jax==0.10.2; tests/test_private_apis.py fails loudly if they move):
   jax._src.lib._jax.get_distributed_runtime_service / get_distributed_runtime_client (missed_heartbeat_callback)
   jax._src.distributed.global_state (.client, .process_id, .num_processes, .coordinator_address)
-  DistributedRuntimeClient.wait_at_barrier
+  DistributedRuntimeClient.key_value_increment / key_value_set / blocking_key_value_get
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
@@ -119,12 +120,51 @@ def _on_coordination_error(status) -> None:
     log.warning("coordination service error: %s", status)
 
 
-def barrier(name: str, timeout_seconds: float) -> None:
-    """Wait until every member reaches `name`, through the coordination service (not a collective,
-    so the wait is not bounded by the XLA collective timeout)."""
+class WorldAborted(RuntimeError):
+    """A wait inside a world was given up because the controller declared a member dead."""
+
+
+def barrier(name: str, timeout_seconds: float, *, aborted: Callable[[], bool] = lambda: False,
+            poll_seconds: float = 0.25) -> None:
+    """Wait until every member reaches `name`, through the coordination service's key-value store
+    (not a collective, so the wait is not bounded by the XLA collective timeout -- compile skew
+    between hosts can be minutes).
+
+    Not `wait_at_barrier`: nothing can interrupt that wait, and with a member that died after
+    joining the survivors sat in it for the whole timeout (the coordination service's heartbeat
+    verdict does not fail a recoverable world's barriers). Here each member counts itself in, the
+    last one publishes the key the others block on, and they block in slices of `poll_seconds`,
+    checking `aborted()` (the controller's verdict) between slices: it raises WorldAborted.
+    A timeout raises TimeoutError."""
     from jax._src import distributed
 
-    distributed.global_state.client.wait_at_barrier(name, int(timeout_seconds * 1000))
+    state = distributed.global_state
+    wait_for_all(state.client, state.num_processes, name, timeout_seconds, aborted=aborted, poll_seconds=poll_seconds)
+
+
+def wait_for_all(client, num_processes: int, name: str, timeout_seconds: float, *,
+                 aborted: Callable[[], bool], poll_seconds: float) -> None:
+    """`barrier` on an explicit coordination-service client of a world of `num_processes`."""
+    import time
+
+    import jax
+
+    everyone = f"resilient_jax/barrier/{name}/all"
+    if client.key_value_increment(f"resilient_jax/barrier/{name}/arrived", 1) == num_processes:
+        client.key_value_set(everyone, "1")
+    deadline = time.monotonic() + timeout_seconds
+    while True:
+        if aborted():
+            raise WorldAborted(f"barrier {name}: the controller declared a member of this world dead")
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"barrier {name}: not every member arrived within {timeout_seconds:g} s")
+        try:
+            client.blocking_key_value_get(everyone, max(1, int(min(poll_seconds, left) * 1000)))
+            return
+        except jax.errors.JaxRuntimeError as e:
+            if "DEADLINE_EXCEEDED" not in str(e):
+                raise
 
 
 def abort_collectives(keep_ports: set[int]) -> int:

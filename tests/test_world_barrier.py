@@ -1,0 +1,80 @@
+"""world.barrier: every member of a world waits for the others, and the controller's verdict ends the
+wait at once (a member that died after joining used to hold the survivors for the full timeout).
+
+Two coordination-service clients of one real service, in one process, stand for two members.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from resilient_jax.elastic import world
+from resilient_jax.elastic.channel import free_port
+
+
+@pytest.fixture
+def two_clients():
+    from jax._src.lib import _jax
+
+    address = f"127.0.0.1:{free_port()}"
+    service = world.CoordinationService(address, 2, heartbeat_timeout=10, shutdown_timeout=1)
+    clients = [_jax.get_distributed_runtime_client(address, rank, init_timeout=30, heartbeat_timeout=10,
+                                                   use_compression=True) for rank in range(2)]
+    connecting = [threading.Thread(target=c.connect) for c in clients]
+    for t in connecting:
+        t.start()
+    for t in connecting:
+        t.join()
+    yield clients
+    # Clients first: a client whose service goes away first ends the process (XLA's error handler).
+    leaving = [threading.Thread(target=c.shutdown) for c in clients]
+    for t in leaving:
+        t.start()
+    for t in leaving:
+        t.join()
+    service.shutdown()
+
+
+def _wait(client, name, outcome, **kwargs):
+    try:
+        world.wait_for_all(client, 2, name, kwargs.pop("timeout_seconds", 30), poll_seconds=0.05, **kwargs)
+        outcome.append("passed")
+    except Exception as e:  # the test reads which error
+        outcome.append(e)
+
+
+def test_the_barrier_returns_once_every_member_arrives(two_clients):
+    first: list = []
+    waiter = threading.Thread(target=_wait, args=(two_clients[0], "compiled-0", first), kwargs={"aborted": lambda: False})
+    waiter.start()
+    time.sleep(0.5)
+    assert waiter.is_alive() and not first  # alone at the barrier: still waiting
+    second: list = []
+    _wait(two_clients[1], "compiled-0", second, aborted=lambda: False)
+    waiter.join(10)
+    assert first == ["passed"] and second == ["passed"]
+
+
+def test_the_verdict_ends_a_wait_for_a_member_that_never_comes(two_clients):
+    verdict = threading.Event()
+    outcome: list = []
+    waiter = threading.Thread(target=_wait, args=(two_clients[0], "compiled-1", outcome),
+                              kwargs={"aborted": verdict.is_set, "timeout_seconds": 300})
+    waiter.start()
+    time.sleep(0.3)
+    verdict.set()
+    started = time.monotonic()
+    waiter.join(10)
+    assert time.monotonic() - started < 2
+    (error,) = outcome
+    assert isinstance(error, world.WorldAborted) and "compiled-1" in str(error)
+
+
+def test_a_member_that_never_comes_times_the_barrier_out(two_clients):
+    outcome: list = []
+    _wait(two_clients[0], "compiled-2", outcome, aborted=lambda: False, timeout_seconds=0.5)
+    (error,) = outcome
+    assert isinstance(error, TimeoutError) and "compiled-2" in str(error) and "0.5 s" in str(error)
