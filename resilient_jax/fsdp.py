@@ -205,7 +205,7 @@ class Partition:
 
     @classmethod
     def of(cls, model_def, mesh: Mesh, activation_rule: activations.Rule | None = None) -> Partition:
-        shapes = jax.eval_shape(model_def.init_params, jax.random.key(0))
+        shapes = model_def.abstract_params
         specs = mesh_lib.specs_from_logical(model_def.logical_axes)
         if not model_def.builtin:
             return cls(top=group_of(shapes, specs, mesh), layer=None, n_layers=0, stacked=False,

@@ -8,6 +8,7 @@ the state ever exists on one device unless the mesh says so.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -42,6 +43,14 @@ class ModelDef:
     def builtin(self) -> bool:
         return self.cfg.factory == BUILTIN_MODEL
 
+    @functools.cached_property
+    def abstract_params(self):
+        """ShapeDtypeStructs of the params dict, read off the template (built abstractly once, in
+        make_model_def). Tracing init_params again builds every block, which grows with depth
+        (~0.17 s for the 8-layer small model), and a new world's trainer and its state adoption
+        asked for these shapes five times: 0.7 s of the small model's re-formation."""
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(self.template))
+
     def forward(self, params, tokens_BxL: jax.Array, dropout_key: jax.Array | None = None, *,
                 prepare_layer=None, layer_inputs=None) -> jax.Array:
         """`prepare_layer`, `layer_inputs`: see TransformerLM.__call__ (a per-block params hook,
@@ -55,8 +64,7 @@ class ModelDef:
 
     def check_output(self, seq_len: int, vocab_size: int) -> None:
         """Refuse (one ConfigError line) a model whose logits are not float [B, seq_len, >= vocab_size]."""
-        # The key is made inside the trace: nothing runs (or compiles) on a device.
-        abstract_params = jax.eval_shape(lambda: self.init_params(jax.random.key(0)))
+        abstract_params = self.abstract_params
         tokens = jax.ShapeDtypeStruct((2, seq_len), jnp.int32)
         out = jax.eval_shape(self.forward, abstract_params, tokens)
         shape, dtype = getattr(out, "shape", None), getattr(out, "dtype", None)
@@ -72,7 +80,7 @@ class ModelDef:
         if self.builtin:
             mesh_lib.check_model_layout(self.cfg, sizes)  # names the model.* key
             return
-        shapes = jax.eval_shape(self.init_params, jax.random.key(0))
+        shapes = self.abstract_params
         flat = {"/".join(str(getattr(k, "key", k)) for k in path): tuple(leaf.shape)
                 for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]}
         axes = jax.tree.leaves(self.logical_axes, is_leaf=lambda x: isinstance(x, tuple))
@@ -156,7 +164,7 @@ def _check_logical_axes(factory: str, abstract_params, logical) -> None:
 def state_shardings(model_def: ModelDef, tx: optax.GradientTransformation, mesh) -> TrainState:
     """Shardings of every leaf of the TrainState, from abstract shapes only."""
     param_shardings = mesh_lib.shardings_from_logical(model_def.logical_axes, mesh)
-    abstract_params = jax.eval_shape(model_def.init_params, jax.random.key(0))
+    abstract_params = model_def.abstract_params
     abstract_opt = jax.eval_shape(tx.init, abstract_params)
     # A param-shaped leaf (Adam's moments) is sharded like its param; one of another shape
     # (Adafactor's factored row/column moments) is replicated.
@@ -174,7 +182,8 @@ def state_shardings(model_def: ModelDef, tx: optax.GradientTransformation, mesh)
 def abstract_state(model_def: ModelDef, tx: optax.GradientTransformation, mesh) -> TrainState:
     """ShapeDtypeStructs carrying the target shardings (for AOT lowering and checkpoint restore)."""
     shardings = state_shardings(model_def, tx, mesh)
-    shapes = jax.eval_shape(lambda k: _init(model_def, tx, k), jax.random.key(0))
+    params = model_def.abstract_params  # what _init makes, without tracing the model again
+    shapes = TrainState(params=params, opt_state=jax.eval_shape(tx.init, params))
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
 
 

@@ -531,7 +531,7 @@ class Throughput:
         if trainer.model_def.builtin:
             per_token = flops_lib.flops_per_token(cfg.model, cfg.data.seq_len)
         else:
-            params = jax.eval_shape(trainer.model_def.init_params, jax.random.key(0))
+            params = trainer.model_def.abstract_params
             per_token = flops_lib.dense_flops_per_token(count_params(params))
         return cls(flops_per_token=per_token,
                    peak_per_device=flops_lib.peak_flops(kind, cfg.model.dtype, cfg.run.peak_flops),

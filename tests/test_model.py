@@ -57,6 +57,17 @@ def test_param_count_matches_the_architecture():
     assert count_params(params) == 2 * v * d + L * per_block + d
 
 
+def test_abstract_params_read_off_the_template_are_what_init_makes():
+    # The trainer, state adoption and the fsdp partition read shapes from model_def.abstract_params
+    # instead of tracing init again; they must be exactly the initialised params' shapes and dtypes.
+    for cfg in (CFG, dataclasses.replace(CFG, scan_layers=True)):
+        model_def, params = _params(cfg)
+        abstract = model_def.abstract_params
+        assert jax.tree.structure(abstract) == jax.tree.structure(params)
+        for want, got in zip(jax.tree.leaves(params), jax.tree.leaves(abstract)):
+            assert (got.shape, got.dtype) == (want.shape, want.dtype)
+
+
 def test_attention_is_causal():
     model_def, params = _params()
     rs = np.random.RandomState(0)
