@@ -16,7 +16,8 @@ state; compiling is left out (the compile cache and the background precompile ha
 bench_recovery.py). It includes the rest of the step in flight when the host died: a survivor
 finds the death at that step's first collective, and an XLA program on CPU cannot be interrupted
 before it -- one step of the larger model is seconds on this machine. So the survivors' own part
-is also reported: from their failed step ending (entering LEAVING) to compiling in the new world.
+is also reported: from the last survivor's failed step ending (entering LEAVING) to the last
+survivor compiling in the new world.
 Printed as JSON with the ratios to tiny.
 
     python scripts/bench_formation.py [--kill-step 6] [--steps 10] [--repeat 3] [--no-small]
@@ -67,21 +68,19 @@ def run(run_dir: Path, kill_step: int, steps: int, sets: list[str]) -> dict:
         raise SystemExit(f"run in {run_dir} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     summary = json.loads((run_dir / "summary.json").read_text())
     (event,) = [e for e in summary["events"] if e["reason"] == "failure"]
-    ready, after_step = [], []  # per survivor
+    ready, left = [], []  # per survivor
     for journal in sorted((run_dir / "elastic" / "lifecycle").glob("*.jsonl")):
         entries = [json.loads(line) for line in journal.read_text().splitlines()]
         worlds = [i for i, e in enumerate(entries) if e["event"] == "world"]
         if len(worlds) < 2:
             continue  # the killed host
-        compiling = next(e["wall"] for e in entries[worlds[1]:] if e["state"] == "compiling")
-        left = next(e["wall"] for e in entries[:worlds[1]] if e["state"] == "leaving")
-        ready.append(compiling)
-        after_step.append(compiling - left)
+        ready.append(next(e["wall"] for e in entries[worlds[1]:] if e["state"] == "compiling"))
+        left.append(next(e["wall"] for e in entries[:worlds[1]] if e["state"] == "leaving"))
     return {
         "params": summary["num_params"],
         "dataset_version": summary["dataset_version"][:12],
         "formation_seconds": round(max(ready) - event["origin_wall"], 3),
-        "formation_after_failed_step_seconds": round(max(after_step), 3),
+        "formation_after_failed_step_seconds": round(max(ready) - max(left), 3),
         "detection_seconds": event["detection_seconds"],
         "recovery_seconds": event["recovery_seconds"],
         "steps_lost": summary["steps_lost"],
@@ -93,7 +92,7 @@ def _median(results: list[dict]) -> dict:
     """The first round's record, its timings replaced by the medians over rounds."""
     out = dict(results[0], rounds=len(results))
     for key in ("formation_seconds", "formation_after_failed_step_seconds", "detection_seconds", "recovery_seconds"):
-        out[key] = statistics.median(r[key] for r in results)
+        out[key] = round(statistics.median(r[key] for r in results), 3)
     out["steps_lost"] = max(r["steps_lost"] for r in results)
     out["restarts"] = max(r["restarts"] for r in results)
     return out
