@@ -211,6 +211,14 @@ class CheckpointStore:
             self.removed_temporary = remove_temporary(self.root)
         else:
             self.removed_temporary = []
+        if jax.process_count() > 1:
+            # No process lists the steps (orbax does, below) before process 0 has removed the
+            # uncommitted ones: one that listed a step about to be removed would refuse to save it
+            # again while the others waited for it. A collective, not a coordination-service
+            # barrier: the controller's verdict ends it when a member dies meanwhile.
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("resilient_jax.checkpoint.store.cleaned")
         configure_array_writes()
         orbax_errors.quiet_abandoned_async_errors()
         handlers: dict[str, Any] = {name: ocp.StandardCheckpointHandler() for name in ARRAY_FIELDS}
@@ -221,7 +229,8 @@ class CheckpointStore:
             # check_writable made the root on every process. Orbax's create=True would add a
             # coordination-service barrier to opening the store, and a member dying while a world
             # forms would hold every survivor in it for orbax's fixed 300 s barrier timeout (the
-            # controller's verdict aborts collectives, not coordination-service barriers).
+            # controller's verdict aborts collectives, not coordination-service barriers); the
+            # ordering that barrier gave is the collective above.
             create=False,
             preservation_policy=_Retention(keep) if keep is not None else None,
             save_root_metadata=False,

@@ -456,8 +456,9 @@ class Worker:
             self.life.fire(Event.FROM_PEER, f"{world['source']}'s state after step {world['resume_step']}")
         ckpt = None
         try:
-            # Building the trainer and its checkpoint session runs collectives too (orbax agrees on
-            # the directory): a member dying here fails the world like one dying in the adoption.
+            # Building the trainer and its checkpoint session runs collectives too (the store syncs
+            # once process 0 has cleaned it): a member dying here fails the world like one dying in
+            # the adoption.
             trainer = Trainer(self.cfg, devices=jax.devices(), resume=resume,
                               allow_config_change=self.allow_config_change,
                               verified_dataset=self.verified_dataset, regions=regions,
@@ -487,7 +488,7 @@ class Worker:
             # The controller's verdict (abort() clears coordinator_port) ends the wait at once.
             world_lib.barrier(f"compiled-{self.generation}", timeout_seconds=300,
                               aborted=lambda: self.coordinator_port is None)
-        except (jax.errors.JaxRuntimeError, world_lib.WorldAborted, TimeoutError) as e:
+        except (jax.errors.JaxRuntimeError, world_lib.WorldAborted, world_lib.BarrierTimeout) as e:
             # A member died while this world was forming (the adoption broadcast or the barrier
             # failed): what this host kept from the last world is unchanged; ask for the next one.
             self.life.fire(Event.FAILED, f"forming generation {self.generation}: {str(e).splitlines()[0][:200]}")

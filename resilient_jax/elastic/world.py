@@ -17,6 +17,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import time
 from collections.abc import Callable
 
 log = logging.getLogger(__name__)
@@ -124,8 +125,13 @@ class WorldAborted(RuntimeError):
     """A wait inside a world was given up because the controller declared a member dead."""
 
 
+class BarrierTimeout(RuntimeError):
+    """Not every member reached a barrier in time (its own type: a TimeoutError is also an OSError,
+    and a timed-out read elsewhere must not pass for a failed world)."""
+
+
 def barrier(name: str, timeout_seconds: float, *, aborted: Callable[[], bool] = lambda: False,
-            poll_seconds: float = 0.25) -> None:
+            poll_seconds: float = 0.5) -> None:
     """Wait until every member reaches `name`, through the coordination service's key-value store
     (not a collective, so the wait is not bounded by the XLA collective timeout -- compile skew
     between hosts can be minutes).
@@ -135,7 +141,8 @@ def barrier(name: str, timeout_seconds: float, *, aborted: Callable[[], bool] = 
     verdict does not fail a recoverable world's barriers). Here each member counts itself in, the
     last one publishes the key the others block on, and they block in slices of `poll_seconds`,
     checking `aborted()` (the controller's verdict) between slices: it raises WorldAborted.
-    A timeout raises TimeoutError."""
+    A timeout raises BarrierTimeout. A name is single-use in a world (each generation has its own
+    coordination service, so `compiled-<generation>` is): a second wait on it returns at once."""
     from jax._src import distributed
 
     state = distributed.global_state
@@ -145,8 +152,6 @@ def barrier(name: str, timeout_seconds: float, *, aborted: Callable[[], bool] = 
 def wait_for_all(client, num_processes: int, name: str, timeout_seconds: float, *,
                  aborted: Callable[[], bool], poll_seconds: float) -> None:
     """`barrier` on an explicit coordination-service client of a world of `num_processes`."""
-    import time
-
     import jax
 
     everyone = f"resilient_jax/barrier/{name}/all"
@@ -158,7 +163,7 @@ def wait_for_all(client, num_processes: int, name: str, timeout_seconds: float, 
             raise WorldAborted(f"barrier {name}: the controller declared a member of this world dead")
         left = deadline - time.monotonic()
         if left <= 0:
-            raise TimeoutError(f"barrier {name}: not every member arrived within {timeout_seconds:g} s")
+            raise BarrierTimeout(f"barrier {name}: not every member arrived within {timeout_seconds:g} s")
         try:
             client.blocking_key_value_get(everyone, max(1, int(min(poll_seconds, left) * 1000)))
             return
