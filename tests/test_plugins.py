@@ -183,6 +183,11 @@ def test_the_example_gru_passes_the_checks():
     model_def.check_output(seq_len=8, vocab_size=256)
     assert not model_def.builtin
     assert dataclasses.asdict(cfg.model)["args"]["d_hidden"] == 64
+    # The shapes the trainer reads off the template are what the user's init makes.
+    params = model_def.init_params(jax.random.key(0))
+    assert jax.tree.structure(model_def.abstract_params) == jax.tree.structure(params)
+    assert [(a.shape, a.dtype) for a in jax.tree.leaves(model_def.abstract_params)] == \
+        [(p.shape, p.dtype) for p in jax.tree.leaves(params)]
 
 
 def test_the_public_api_trains_a_user_model_and_loss_whose_checkpoint_reads_back(user_dir, tmp_path,
