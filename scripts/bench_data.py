@@ -127,18 +127,24 @@ def main() -> None:
     }, indent=1))
 
 
-def bench_prepare(scale: int, tokenizer: str, seq_len: int) -> dict:
+def write_default_corpus(path: Path, repeat: int) -> Path:
+    """The default corpus (the stdlib sources) as jsonl, `repeat` times over: a corpus `repeat`x
+    the default one, for measuring what grows with the data (also scripts/bench_formation.py)."""
     from resilient_jax.data.sources import iter_documents
 
     docs = [json.dumps({"text": d.data.decode("utf-8", errors="ignore")}) + "\n"
             for d in iter_documents("default")]
+    with open(path, "w", encoding="utf-8") as f:
+        for _ in range(repeat):
+            f.writelines(docs)
+    return path
+
+
+def bench_prepare(scale: int, tokenizer: str, seq_len: int) -> dict:
     work = Path(tempfile.mkdtemp(prefix="bench-prepare-"))
     runs = {}
     for name, repeat in (("default", 1), (f"x{scale}", scale)):
-        src = work / f"{name}.jsonl"
-        with open(src, "w", encoding="utf-8") as f:
-            for _ in range(repeat):
-                f.writelines(docs)
+        src = write_default_corpus(work / f"{name}.jsonl", repeat)
         out = work / f"ds-{name}"
         cmd = [sys.executable, "-m", "resilient_jax.data", "prepare", "--src", str(src), "--out", str(out),
                "--tokenizer", tokenizer, "--seq-len", str(seq_len), "--shards", "8"]

@@ -42,13 +42,9 @@ SMALL_MODEL = ["model.d_model=384", "model.n_layers=8", "model.n_heads=6", "mode
 
 def prepare_scaled_dataset(work: Path, scale: int) -> Path:
     """The default corpus repeated `scale` times, prepared as the default dataset is (bytes, seq 64)."""
-    from resilient_jax.data.sources import iter_documents
+    from bench_data import write_default_corpus  # scripts/ is on sys.path when this script runs
 
-    docs = [json.dumps({"text": d.data.decode("utf-8", errors="ignore")}) + "\n" for d in iter_documents("default")]
-    src = work / f"corpus-x{scale}.jsonl"
-    with open(src, "w", encoding="utf-8") as f:
-        for _ in range(scale):
-            f.writelines(docs)
+    src = write_default_corpus(work / f"corpus-x{scale}.jsonl", scale)
     out = work / f"dataset-x{scale}"
     subprocess.run([sys.executable, "-m", "resilient_jax.data", "prepare", "--src", str(src), "--out", str(out),
                     "--shards", "16", "--seq-len", "64", "--tokenizer", "bytes"],

@@ -23,19 +23,19 @@ def two_clients():
     service = world.CoordinationService(address, 2, heartbeat_timeout=10, shutdown_timeout=1)
     clients = [_jax.get_distributed_runtime_client(address, rank, init_timeout=30, heartbeat_timeout=10,
                                                    use_compression=True) for rank in range(2)]
-    connecting = [threading.Thread(target=c.connect) for c in clients]
-    for t in connecting:
-        t.start()
-    for t in connecting:
-        t.join()
+    _all_at_once([c.connect for c in clients])  # connect returns once every member connected
     yield clients
     # Clients first: a client whose service goes away first ends the process (XLA's error handler).
-    leaving = [threading.Thread(target=c.shutdown) for c in clients]
-    for t in leaving:
-        t.start()
-    for t in leaving:
-        t.join()
+    _all_at_once([c.shutdown for c in clients])
     service.shutdown()
+
+
+def _all_at_once(calls) -> None:
+    threads = [threading.Thread(target=call) for call in calls]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
 
 
 def _wait(client, name, outcome, **kwargs):
