@@ -268,30 +268,40 @@ class ExactSum:
     def floats_over_data(groups: list[Group], accs: list, lsb: list, data_axis: str, data_size: int,
                          regions: RegionGroups | None = None) -> list:
         """Per group, its accumulators summed over `data` and converted to float32: the bits of
-        `aligned`, an all-reduce over data and `to_float`, but as an int64 reduce-scatter of each
+        `aligned`, an all-reduce over data and `to_float`, but as an int64 reduce-scatter of every
         leaf (flattened, padded to a multiple of the data size), a conversion of this device's
         slice (each element with its block's lsb), and one float32 all-gather of every leaf's
         slices: 12 bytes a parameter on the wire instead of 16, and no device holds the int64 sum
-        whole. `accs`, `lsb`: per group, as `aligned` takes them."""
+        whole. Each of the two collectives carries every leaf at once. `accs`, `lsb`: per group,
+        as `aligned` takes them."""
         if regions is not None and not regions.uniform:  # no reduce-scatter over unequal regions
             summed = collectives.tree_data_sum([ExactSum.aligned(g, a, m) for g, a, m in zip(groups, accs, lsb)],
                                                data_axis, regions)
             return [ExactSum.to_float(g, x, m) for g, x, m in zip(groups, summed, lsb)]
         with jax.enable_x64(True):
             mine = collectives.data_slice_index(data_axis, regions)
-            pieces, shapes = [], []
+            # Every leaf flattened, padded to a multiple of the data size and viewed as (data, n):
+            # row r is the slice device r keeps. Side by side, the rows of all leaves make ONE
+            # reduce-scatter (an integer sum per element, exact: the same bits as one per leaf) --
+            # a collective per leaf costs a launch and a round trip each, which across processes
+            # (gloo, NCCL) outweighs the bytes of a small model.
+            rows, layouts = [], []
             for group, group_accs, group_lsb in zip(groups, accs, lsb):
                 for i, (a, m) in enumerate(zip(group_accs, group_lsb)):
                     x = _shift_left(a.acc, _expand(group.local_blocks(a.lsb - m, i), a.acc.ndim)).reshape(-1)
-                    block_lsb = group.local_blocks(m, i).reshape(-1)
-                    width = x.shape[0] // block_lsb.shape[0]  # elements a block (trailing axes: contiguous)
                     n = -(-x.shape[0] // data_size)  # this device's slice of the flattened leaf
-                    part = collectives.data_scatter_sum(jnp.pad(x, (0, n * data_size - x.shape[0])), data_axis,
-                                                        regions)
-                    block = jnp.minimum((mine * n + jnp.arange(n, dtype=jnp.int32)) // width,
-                                        block_lsb.shape[0] - 1)  # padding: the last block's (its value is 0)
-                    pieces.append(_int_to_float32(part, block_lsb[block]))
-                    shapes.append(a.acc.shape)
+                    rows.append(jnp.pad(x, (0, n * data_size - x.shape[0])).reshape(data_size, n))
+                    layouts.append((n, group.local_blocks(m, i).reshape(-1), a.acc.shape))
+            mine_of_all = collectives.data_scatter_sum(jnp.concatenate(rows, axis=1), data_axis, regions).reshape(-1)
+            pieces, shapes, start = [], [], 0
+            for n, block_lsb, shape in layouts:
+                part = lax.slice_in_dim(mine_of_all, start, start + n)
+                start += n
+                width = math.prod(shape) // block_lsb.shape[0]  # elements a block (trailing axes: contiguous)
+                block = jnp.minimum((mine * n + jnp.arange(n, dtype=jnp.int32)) // width,
+                                    block_lsb.shape[0] - 1)  # padding: the last block's (its value is 0)
+                pieces.append(_int_to_float32(part, block_lsb[block]))
+                shapes.append(shape)
             rows = collectives.data_gather(jnp.concatenate(pieces), data_axis, regions)  # [data, sum of slices]
             out, start = [], 0
             for piece, shape in zip(pieces, shapes):
