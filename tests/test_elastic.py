@@ -106,10 +106,11 @@ def test_a_death_while_a_checkpoint_is_written_is_absorbed_and_later_checkpoints
 
 
 def test_the_world_after_a_death_loads_its_step_that_rank_0_compiled_in_the_background(tmp_path, reference):
-    # Every host enters each step 1 s late (all alike: no straggler), so the background compile
-    # finishes while generation 0 trains; h1 dies in the first step after it has. min_hosts=3
-    # leaves two likely next worlds: a host lost from us, or from eu.
-    delays = [a for h in range(4) for a in ("--fault", f"delay_host:{h}@1-{STEPS - 1}:1")]
+    # Every host enters each of steps 1-35 1 s late (all alike: no straggler), so the background
+    # compile finishes while generation 0 trains (in CI it did by step 14); h1 dies in the first
+    # step after it has, and the steps after 35 run at full speed. min_hosts=3 leaves two likely
+    # next worlds: a host lost from us, or from eu.
+    delays = [a for h in range(4) for a in ("--fault", f"delay_host:{h}@1-35:1")]
     # A cache of its own: no other test's world of this shape can be what generation 1 loads.
     summary = elastic_run(tmp_path, CPU4, "--set", "runtime.precompile_next_worlds=on", "--set", "runtime.min_hosts=3",
                           "--set", f"runtime.compile_cache={tmp_path / 'cache'}",
