@@ -218,6 +218,14 @@ class ParallelConfig:
     # only each replica's slice across (the same bits, resilient_jax.hierarchy); `flat`: one sum
     # over every replica.
     cross_region: Literal["hierarchical", "flat"] = "hierarchical"
+    # Elastic runs: hosts that together hold one replica (fsdp x tensor spans their devices; with
+    # parallel.fsdp left at 1 it becomes k x topology.devices_per_host / tensor). 1: each host holds
+    # whole replicas. k > 1 lets a model larger than one node train; the membership unit is then a
+    # replica group of k hosts (resilient_jax.elastic.groups).
+    hosts_per_replica: int = 1
+    # A replica group may span regions (its fsdp collectives then cross the WAN every layer); without
+    # it, k must divide each region's hosts.
+    allow_cross_region_replica: bool = False
 
 
 @dataclass(frozen=True)
@@ -358,6 +366,8 @@ class RuntimeConfig:
     max_share: float = 2.0
     # Fewer live hosts than this ends the run with an error instead of continuing.
     min_hosts: int = 1
+    # With parallel.hosts_per_replica > 1: fewer complete replica groups than this ends the run.
+    min_replicas: int = 1
     # JAX's persistent compilation cache, so a re-formed world loads its step instead of compiling
     # it: "auto" = $RESILIENT_JAX_COMPILE_CACHE if set, else <run.dir>/compile_cache; "" or "off" =
     # none; any other value = that directory (may be shared by runs). Not writable: a warning, and
@@ -481,6 +491,7 @@ RANGES: dict[str, Bound] = {
     "parallel.fsdp": _at_least(1),
     "parallel.tensor": _at_least(1),
     "parallel.virtual_shards": _at_least(1),
+    "parallel.hosts_per_replica": _at_least(1),
     "train.steps": _at_least(1),
     "train.seed": Bound(lo=0, hi=2**32 - 1),
     "train.log_every": _at_least(1),
@@ -505,6 +516,7 @@ RANGES: dict[str, Bound] = {
     "runtime.assignment_hysteresis": _unit_open(),
     "runtime.max_share": _at_least(1),
     "runtime.min_hosts": _at_least(1),
+    "runtime.min_replicas": _at_least(1),
 }
 
 # Keys that name files or directories: resolved to absolute paths once, at load (orbax refuses
