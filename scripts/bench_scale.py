@@ -11,17 +11,20 @@ Three sections, one JSON report on stdout (progress on stderr):
            XLA flags, invariant (which always has them: resilient_jax.gpu_env refuses it without).
            Each variant runs in its own process with the environment resilient_jax.gpu_env gives a
            worker. --cpu-smoke runs the same path tiny on one CPU device.
-  gpu      per-device peak bytes of gpu-8b and gpu-46node-4region: one node's program (data=1 x
-           fsdp=8 emulated devices, that node's share of the virtual shards, REAL d_model, d_ff, heads,
-           vocab, seq_len and rows per shard, the config's remat/scan/attention settings) compiled
-           with 2 and 3 layers, extrapolated linearly in depth:
+  gpu      per-device peak bytes of each GPU config (GPU_CONFIGS): one REPLICA's program -- one node's
+           (data=1 x fsdp=8 emulated devices) for gpu-8b and gpu-46node-4region, one replica GROUP's
+           for a config with parallel.hosts_per_replica = k > 1 (data=1 x fsdp=k*8 emulated devices,
+           e.g. 80 for gpu-300b-46node's groups of 10 nodes) -- with that replica's share of the
+           virtual shards, REAL d_model, d_ff, heads, vocab, seq_len and rows per shard, the config's
+           remat/scan/attention settings, compiled with 2 and 3 layers, extrapolated linearly in depth:
                peak(L) = peak(3) + (L - 3) * (peak(3) - peak(2))
            Each layer adds the same parameters, optimizer state, gradients and (with remat) what one
            block keeps, so every term is affine in L; the 2- and 3-layer compiles give the slope and
            the embedding/unembedding/logits the intercept. Not 1 layer: XLA removes a scan's loop of
            one trip, which makes another program (gpu-8b native: 2.22 GB more temporaries from 1 to
-           2 layers, 0.93 GB from 2 to 3). Each compile runs in its own subprocess (its max RSS is
-           reported) and nothing is executed.
+           2 layers, 0.93 GB from 2 to 3). The `data` axis only replicates, so a replica's program
+           is every replica's per-device program. Each compile runs in its own subprocess (its max
+           RSS is reported) and nothing is executed.
 
 Per-device figures:
   flops_xla        compiled.cost_analysis()["flops"] -- counts each while-loop body ONCE (the loop over
@@ -57,7 +60,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 DEVICES = 8
 MESHES = ((1, 1), (8, 1), (2, 4), (1, 8))  # (data, fsdp); (1, 1) is the one-device baseline
-GPU_CONFIGS = {"gpu-8b": 128, "gpu-46node-4region": 368}  # config -> devices of its intended cluster
+# config -> devices of its intended cluster (the world: data x fsdp x tensor, spares not counted)
+GPU_CONFIGS = {"gpu-8b": 128, "gpu-46node-4region": 368, "gpu-300b-46node": 320}
 GPUS_PER_NODE = 8
 GIB = 2**30
 DEPTHS = (2, 3)  # layers of the gpu section's two compiles (see the module docstring)
@@ -161,7 +165,7 @@ def _child(spec: dict) -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
 
-    jax.config.update("jax_num_cpu_devices", DEVICES)
+    jax.config.update("jax_num_cpu_devices", max(DEVICES, spec["data"] * spec["fsdp"]))
     from resilient_jax.config import load_config
 
     cfg = load_config(spec["config"], spec["overrides"])
@@ -331,34 +335,41 @@ def section_depth(config: str, overrides: list[str], depth: int, timeout: float)
     return out
 
 
-def node_overrides(name: str) -> tuple[list[str], dict]:
-    """One node of a GPU config as a run of its own: data=1 x fsdp=8, that node's shards, real widths."""
+def replica_overrides(name: str) -> tuple[list[str], dict]:
+    """One replica of a GPU config as a run of its own: data=1 x fsdp=(its GPUs), that replica's
+    shards, real widths. A replica is one node (8 GPUs), or with parallel.hosts_per_replica = k > 1
+    a group of k nodes (k x 8 GPUs), emulated as one process with k x 8 CPU devices -- the
+    per-device program is the same whatever process owns the devices."""
     from resilient_jax.config import load_config
 
     cfg = load_config(REPO / "configs" / f"{name}.yaml")
     cluster_devices = GPU_CONFIGS[name]
+    k = cfg.parallel.hosts_per_replica
+    replica_devices = k * GPUS_PER_NODE
     V, b = cfg.parallel.virtual_shards, cfg.data.global_batch // cfg.parallel.virtual_shards
-    node_shards = -(-V // cluster_devices) * GPUS_PER_NODE  # shards per device x GPUs of the node
-    overrides = ["parallel.devices=0", "parallel.data=1", f"parallel.fsdp={GPUS_PER_NODE}",
-                 f"parallel.virtual_shards={node_shards}", f"data.global_batch={node_shards * b}"]
-    return overrides, {"cluster_devices": cluster_devices, "rows_per_shard": b, "shards_per_device": node_shards //
-                       GPUS_PER_NODE, "n_layers": cfg.model.n_layers, "remat": cfg.model.remat,
+    replica_shards = -(-V // cluster_devices) * replica_devices  # shards per device x GPUs of the replica
+    overrides = ["parallel.devices=0", "parallel.data=1", f"parallel.fsdp={replica_devices}",
+                 "parallel.hosts_per_replica=1", f"parallel.virtual_shards={replica_shards}",
+                 f"data.global_batch={replica_shards * b}"]
+    return overrides, {"cluster_devices": cluster_devices, "hosts_per_replica": k, "replica_devices": replica_devices,
+                       "rows_per_shard": b, "shards_per_device": replica_shards // replica_devices,
+                       "n_layers": cfg.model.n_layers, "remat": cfg.model.remat,
                        "scan_layers": cfg.model.scan_layers, "attention": cfg.model.attention}
 
 
 def section_gpu(names: list[str], modes: list[str], timeout: float) -> dict:
     out = {}
     for name in names:
-        overrides, shape = node_overrides(name)
+        overrides, shape = replica_overrides(name)
         config = str(REPO / "configs" / f"{name}.yaml")
-        out[name] = {"node_program": shape}
+        out[name] = {"replica_program": shape}
         for mode in modes:
             by_depth = {}
             for layers in DEPTHS:
                 _log(f"gpu: {name} {mode} {layers} layer(s)")
                 by_depth[layers] = compile_in_subprocess(
-                    config, [*overrides, f"model.n_layers={layers}", f"parallel.reduction={mode}"], 1, GPUS_PER_NODE,
-                    timeout)
+                    config, [*overrides, f"model.n_layers={layers}", f"parallel.reduction={mode}"], 1,
+                    shape["replica_devices"], timeout)
             L = shape["n_layers"]
 
             def extrapolate(get):

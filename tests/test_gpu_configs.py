@@ -2,7 +2,8 @@
 and compile (really partitioned, buffers assigned) as a reduced copy on emulated CPU devices.
 
 The per-device peak of the full-size configs is measured by `scripts/bench_scale.py --sections gpu`
-(one node's program, real widths, 2 and 3 layers, extrapolated to the configs' depth).
+(one replica's program -- a node's, or a replica group's with parallel.hosts_per_replica > 1 --
+real widths, 2 and 3 layers, extrapolated to the configs' depth).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ GPU_CONFIGS = {
     "gpu-1b": (64, (0.8, 1.2)),
     "gpu-8b": (128, (7.5, 8.5)),
     "gpu-46node-4region": (368, (7.5, 8.5)),
+    # Replica groups of 10 nodes: the world is 4 groups x 80 GPUs (its 6 spare nodes are outside it).
+    "gpu-300b-46node": (320, (280, 320)),
 }
 GPUS_PER_NODE = 8
 
@@ -63,9 +66,11 @@ def test_gpu_config_step_lowers_on_its_abstract_mesh(name):
     assert cfg.model.scan_layers
     wq = abstract.params["blocks"]["attn"]["wq"]
     assert wq.shape[0] == cfg.model.n_layers
-    # One replica per node: fsdp spans the GPUs of a node, data spans the nodes.
-    assert wq.sharding.spec[:2] == (None, "fsdp") and mesh.shape["fsdp"] == GPUS_PER_NODE
-    assert mesh.shape["data"] == devices // GPUS_PER_NODE
+    # One replica per node (or per group of k = parallel.hosts_per_replica nodes): fsdp spans the
+    # replica's GPUs, data spans the replicas.
+    replica_gpus = cfg.parallel.hosts_per_replica * GPUS_PER_NODE
+    assert wq.sharding.spec[:2] == (None, "fsdp") and mesh.shape["fsdp"] == replica_gpus
+    assert mesh.shape["data"] == devices // replica_gpus
     assert "tf.aliasing_output" in apply_hlo  # the apply phase donates the old state
 
 
@@ -101,6 +106,38 @@ def test_46node_config_topology_is_its_mesh_and_an_fsdp_group_is_one_node():
         plan = step_lib.make_shard_plan(cfg.data.global_batch, cfg.parallel.virtual_shards, gpus)
         assert plan.rows_per_shard * plan.num_shards == cfg.data.global_batch
         assert -(-plan.num_shards // gpus) <= 4
+    assert cfg.runtime.launcher == "ray" and cfg.runtime.token == ""
+
+
+def test_300b_config_a_replica_is_a_group_of_10_nodes_in_one_region():
+    cfg = load_config(REPO / "configs" / "gpu-300b-46node.yaml")
+    topo, k = cfg.topology, cfg.parallel.hosts_per_replica
+    workers = sum(r.hosts for r in topo.regions)
+    assert [r.name for r in topo.regions] == ["us-east", "us-west", "eu-west", "ap-northeast"]
+    assert (workers + sum(r.spares for r in topo.regions), topo.devices_per_host) == (46, GPUS_PER_NODE)
+    # The rules of replica groups: fsdp x tensor spans a group's GPUs, k divides every region's
+    # worker hosts (no group crosses a region), data = the number of groups.
+    assert k == 10 and not cfg.parallel.allow_cross_region_replica
+    assert cfg.parallel.fsdp * cfg.parallel.tensor == k * topo.devices_per_host
+    assert all(r.hosts % k == 0 for r in topo.regions)
+    assert cfg.parallel.data == workers // k == 4
+    assert workers * topo.devices_per_host == GPU_CONFIGS["gpu-300b-46node"][0]
+    assert cfg.model.d_model % cfg.parallel.fsdp == 0
+    # Mesh row r = the 80 GPUs of group r: hosts 10r..10r+9, all in one region.
+    devices = [_FakeGpu(host * GPUS_PER_NODE + local, host) for host in range(workers) for local in range(GPUS_PER_NODE)]
+    mesh = mesh_lib.build_mesh(cfg.parallel, devices)
+    assert dict(mesh.shape) == {"data": 4, "fsdp": 80, "tensor": 1}
+    region_of = [r.name for r in topo.regions for _ in range(r.hosts)]
+    for group in range(cfg.parallel.data):
+        hosts = {d.process_index for d in mesh.devices[group].flat}
+        assert hosts == set(range(group * k, (group + 1) * k))
+        assert len({region_of[h] for h in hosts}) == 1
+    # Losing groups keeps the global batch; down to runtime.min_replicas no GPU runs more than 6 shards.
+    for groups in range(cfg.parallel.data, cfg.runtime.min_replicas - 1, -1):
+        gpus = groups * k * GPUS_PER_NODE
+        plan = step_lib.make_shard_plan(cfg.data.global_batch, cfg.parallel.virtual_shards, gpus)
+        assert plan.rows_per_shard * plan.num_shards == cfg.data.global_batch
+        assert -(-plan.num_shards // gpus) <= 6
     assert cfg.runtime.launcher == "ray" and cfg.runtime.token == ""
 
 
