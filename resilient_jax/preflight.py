@@ -30,6 +30,10 @@ def check_run(cfg: Config) -> None:
     """Raises ConfigError / DatasetError (both ValueError, one line) for a run that cannot work."""
     # Refuse invariant mode where XLA_FLAGS break it, before any host or device starts.
     gpu_env.check_invariant_supported(cfg, gpu_env.detect_platform(), os.environ.get("XLA_FLAGS", ""))
+    if cfg.parallel.hosts_per_replica > 1 and not cfg.topology.regions:
+        raise ConfigError(f"parallel.hosts_per_replica = {cfg.parallel.hosts_per_replica}: replica groups span "
+                          "hosts, and this config trains in one process (no topology.regions); set it to 1, or "
+                          "describe the hosts under topology.regions")
     faults = parse_faults(cfg.faults)
     check_faults(cfg, faults)
     check_plugins(cfg)

@@ -303,6 +303,10 @@ class Trainer:
         abstract = state_lib.abstract_state(self.model_def, self.tx, self.mesh)
         return jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), abstract)
 
+    def abstract_state(self) -> state_lib.TrainState:
+        """The state's shapes, dtypes and shardings on this world's mesh, without allocating it."""
+        return state_lib.abstract_state(self.model_def, self.tx, self.mesh)
+
     def state_from_host(self, host_state) -> state_lib.TrainState:
         """Place a full host copy of the state onto this world's mesh with the state's shardings.
 

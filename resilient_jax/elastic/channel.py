@@ -36,6 +36,7 @@ ROUTES = {
     ("POST", "/progress"): "progress",
     ("POST", "/precompiled"): "precompiled",
     ("POST", "/resumed"): "resumed",
+    ("POST", "/adopted"): "adopted",
     ("POST", "/failed"): "failed",
     ("POST", "/done"): "done",
     ("POST", "/drain"): "drain",

@@ -12,6 +12,8 @@ Workers talk to it over a small JSON-over-HTTP API (stdlib `http.server`, see `c
     POST /precompiled {host, generation, worlds, stopped, seconds, error}  (rank 0 compiled the likely
                                                              next worlds ahead: elastic/precompile)
     POST /resumed   {host, generation, step, checkpoint, config_changes}  (a world restored from disk)
+    POST /adopted   {host, generation, how, seconds, state_shard_bytes, peak_bytes, peak_over_shard}
+                                                             (replica groups: how a member got its slices)
     POST /failed    {host, error, bad_input}                 (a worker's uncaught error, before it exits)
     POST /done      {host, summary}
     POST /drain     {host}                                   (an operator takes a host out at a step boundary)
@@ -50,7 +52,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from resilient_jax.elastic import channel, membership, stragglers
+from resilient_jax.elastic import channel, groups as groups_lib, membership, stragglers
 from resilient_jax.elastic.tls import ServerTls, connect_host
 from resilient_jax.run_history import DONE, RunHistory
 from resilient_jax.elastic.world import CoordinationService
@@ -84,9 +86,14 @@ class World:
     holders: tuple[str, ...]
     data_position: dict | None
     reason: str
+    # Replica groups (parallel.hosts_per_replica > 1): the hosts of each replica, one `data` row
+    # each, in rank order; `source_group` the row whose state the others heal from. Empty: k = 1.
+    groups: tuple[tuple[str, ...], ...] = ()
+    source_group: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "members": list(self.members), "holders": list(self.holders)}
+        return {**asdict(self), "members": list(self.members), "holders": list(self.holders),
+                "groups": [list(g) for g in self.groups]}
 
 
 @dataclass
@@ -104,6 +111,7 @@ class GenerationEvent:
     reslotted: list[str] = field(default_factory=list)
     decision: dict | None = None  # the straggler decision behind a reslot, with its numbers
     from_checkpoint: str | None = None  # the checkpoint a world resumed from, when not from memory
+    adoption: dict = field(default_factory=dict)  # replica groups: host -> how it got its slices, and its cost
 
     def report(self) -> dict[str, Any]:
         origin = self.fault_at if self.fault_at is not None else self.detected_at
@@ -125,6 +133,7 @@ class GenerationEvent:
             "reslotted": self.reslotted,
             "decision": self.decision,
             "from_checkpoint": self.from_checkpoint,
+            **({"adoption": self.adoption} if self.adoption else {}),
         }
 
 
@@ -176,7 +185,8 @@ class Controller:
                  total_steps: int = 0, straggler_factor: float = 1.5, straggler_window: int = 10,
                  on_dead: Callable[[str], None] | None = None, console: Callable[[str], None] | None = None,
                  run_options: dict | None = None, history: RunHistory | None = None,
-                 tls: ServerTls | None = None, assignment: str = "uniform", coordination_heartbeat_seconds: int = 30):
+                 tls: ServerTls | None = None, assignment: str = "uniform", coordination_heartbeat_seconds: int = 30,
+                 hosts_per_replica: int = 1, min_replicas: int = 1, cross_region_replica: bool = False):
         """`console` receives one sentence per event and a progress line per logged step (the
         driver prints them); `run_options` go to every worker as it registers (this invocation's
         --resume / --allow-config-change / --stop-at); `history` is the run's record across
@@ -185,7 +195,9 @@ class Controller:
         shard assignment ("proportional" absorbs a slow host by moving its shards; then only a
         spare replaces a straggler, and an idle host that still holds the step back is reslotted).
         `coordination_heartbeat_seconds`: each generation's JAX coordination service declares a
-        silent member dead after this long (runtime.coordination_heartbeat_seconds)."""
+        silent member dead after this long (runtime.coordination_heartbeat_seconds).
+        `hosts_per_replica` > 1: the membership unit is a replica group of that many hosts
+        (resilient_jax.elastic.groups); fewer complete groups than `min_replicas` fail the run."""
         channel.check_bind(bind, token, tls is not None)
         self.config_hash = config_hash
         self.expected_hosts = expected_hosts
@@ -195,6 +207,9 @@ class Controller:
         self.dead_after = dead_after_seconds
         self.coordination_heartbeat = coordination_heartbeat_seconds
         self.min_hosts = min_hosts
+        self.hosts_per_replica, self.min_replicas = hosts_per_replica, min_replicas
+        self.cross_region_replica = cross_region_replica
+        self.groups: tuple[groups_lib.Group, ...] = ()  # every replica group, complete or not (k > 1)
         self.total_steps = total_steps
         self.straggler_factor, self.straggler_window = straggler_factor, straggler_window
         self.assignment = assignment
@@ -256,7 +271,16 @@ class Controller:
                                         status="spare" if spare else "registered")
             log.info("registered %s (%s, %d devices%s)", host, region, devices, ", spare" if spare else "")
             if self.world is None and self._count("registered") >= self.expected_hosts:
-                self._form(reason="start", resume_step=0, source=None, data_position=None, lost=[])
+                regrouping = None
+                if self.hosts_per_replica > 1:
+                    hosts = sorted((h for h, m in self.members.items() if m.status == "registered"),
+                                   key=groups_lib.host_order)
+                    regrouping = groups_lib.regroup(
+                        groups_lib.initial([(h, self.members[h].region) for h in hosts], self.hosts_per_replica),
+                        live=hosts, spares=(), newcomers=(), k=self.hosts_per_replica,
+                        cross_region=self.cross_region_replica)
+                self._form(reason="start", resume_step=0, source=None, data_position=None, lost=[],
+                           regrouping=regrouping)
             self._lock.notify_all()
             self._write_status()
             return {"accepted": True, "run_started": self.world is not None, "options": self.run_options}
@@ -381,6 +405,16 @@ class Controller:
             self._write_status()
         return {}
 
+    def adopted(self, host: str, generation: int, **record) -> dict:
+        """Replica groups: how `host` got its slices of the state in `generation` (own, or healed from a
+        sibling replica), with the seconds and its peak device bytes over its shard."""
+        with self._lock:
+            for event in self.events:
+                if event.generation == generation:
+                    event.adoption[host] = record
+            log.info("generation %d: %s adopted its slices: %s", generation, host, record)
+        return {}
+
     def failed(self, host: str, error: str, bad_input: bool = False) -> dict:
         """A worker's uncaught error, reported before it exits. An input error is the same on every
         host (a dataset, a checkpoint, a config key): the run fails at once instead of shrinking."""
@@ -431,7 +465,7 @@ class Controller:
                         setattr(entry, key, summary[key])
                 self.history.end(summary.get("stopped") or DONE)
             for member in self.members.values():
-                if member.status == "active":
+                if member.status in ("active", "idle"):
                     member.status = "done"
             self._lock.notify_all()
             self._write_status()
@@ -523,6 +557,7 @@ class Controller:
                 "steps_lost": sum(e.steps_lost for e in self.events),
                 "events": [e.report() for e in self.events if e.reason != "start" or e.from_checkpoint],
                 "members": {h: {"region": m.region, "status": m.status} for h, m in sorted(self.members.items())},
+                "replica_groups": [g.to_dict() for g in self.groups],
             }
 
     # -- internals (lock held) ---------------------------------------------------------------------
@@ -642,7 +677,8 @@ class Controller:
             with self._lock:
                 now = time.monotonic()
                 for member in self.members.values():
-                    if member.status in ("registered", "spare", "active") and now - member.last_seen > self.dead_after:
+                    if (member.status in ("registered", "spare", "active", "idle")
+                            and now - member.last_seen > self.dead_after):
                         self._declare_dead(member, f"silent for {now - member.last_seen:.1f} s")
                 self._check_stragglers()
                 self._maybe_reform()
@@ -666,6 +702,9 @@ class Controller:
                       f"only {len(plan.live)} hosts left ({', '.join(plan.live) or 'none'}); runtime.min_hosts is "
                       f"{self.min_hosts}")
             return
+        if self.hosts_per_replica > 1:
+            self._reform_groups(plan, change)
+            return
         self.pending_change = None
         for host in plan.evicted:
             self.members[host].status = plan.evicted_status
@@ -676,17 +715,58 @@ class Controller:
                    lost=list(plan.lost), reslotted=list(plan.evicted),
                    decision=change.record if change is not None else None)
 
+    def _reform_groups(self, plan: membership.ReformPlan, change: Change | None) -> None:
+        """`_maybe_reform` with replica groups: the plan's lost and evicted hosts vacate their slots,
+        spares and newcomers fill them, and the next world is the complete groups, adopting the state
+        of the newest group that holds it whole (groups.pick_source)."""
+        gone = set(plan.lost) | set(plan.evicted)
+        live = [h for h, m in self.members.items() if m.status in ("active", "idle") and h not in gone]
+        by_order = sorted(self.members, key=groups_lib.host_order)
+        named = change.spare if change is not None and change.spare else None  # a reslot's chosen spare first
+        spares = [(h, self.members[h].region) for h in ([named] if named else []) + [h for h in by_order if h != named]
+                  if self.members[h].status == "spare"]
+        newcomers = [(h, self.members[h].region) for h in by_order if self.members[h].status == "registered"]
+        regrouping = groups_lib.regroup(self.groups, live=live, spares=spares, newcomers=newcomers,
+                                        k=self.hosts_per_replica, cross_region=self.cross_region_replica)
+        if len(regrouping.complete) < self.min_replicas:
+            self.fail(self._failure_message() if self.failures else
+                      f"only {len(regrouping.complete)} complete replica groups of {self.hosts_per_replica} hosts left "
+                      f"({', '.join('+'.join(h or '-' for h in g.slots) for g in regrouping.groups)}); "
+                      f"runtime.min_replicas is {self.min_replicas}")
+            return
+        completed = {h: r["completed_step"] for h, r in self.reform_requests.items()}
+        source = groups_lib.pick_source(regrouping, completed)
+        self.pending_change = None
+        for host in plan.evicted:
+            self.members[host].status = plan.evicted_status
+        for host in regrouping.unplaced:
+            self.members[host].status = "spare"
+        self._form(reason=plan.reason, resume_step=0 if source is None else source.step,
+                   source=None if source is None else source.host, holders=() if source is None else source.holders,
+                   data_position=None if source is None else self.reform_requests[source.host]["data_position"],
+                   lost=list(plan.lost), reslotted=list(plan.evicted),
+                   decision=change.record if change is not None else None, regrouping=regrouping,
+                   source_group=None if source is None else source.group)
+
     def _form(self, *, reason: str, resume_step: int, source: str | None, data_position: dict | None,
               lost: list[str], holders: tuple[str, ...] = (), reslotted: list[str] | None = None,
-              decision: dict | None = None) -> None:
+              decision: dict | None = None, regrouping: groups_lib.Regrouping | None = None,
+              source_group: int | None = None) -> None:
         generation = 0 if self.world is None else self.world.generation + 1
         # A world that restores from disk is a restart -- unless no world of this invocation has run
         # a step yet (generation 0 failed while forming): then the checkpoint is where it started anyway.
         if generation > 0 and source is None and any(e.first_step_at is not None for e in self.events):
             self.restarts += 1
         old = [] if self.world is None else [h for h in self.world.members if self.members[h].status == "active"]
-        joiners = sorted(h for h, m in self.members.items() if m.status == "registered")
-        members = tuple(old + joiners)
+        if regrouping is None:
+            joiners = sorted(h for h, m in self.members.items() if m.status == "registered")
+            members = tuple(old + joiners)
+        else:  # replica groups: the complete groups' hosts; the survivors of broken ones wait, idle
+            members = regrouping.members
+            joiners = [h for h in members if h not in old and self.members[h].status != "idle"]
+            self.groups = regrouping.groups
+            for h in regrouping.idle:
+                self.members[h].status = "idle"
         address = f"{self.bind}:{channel.free_port(self.bind)}"
         self.services[generation] = CoordinationService(address, len(members),
                                                         heartbeat_timeout=self.coordination_heartbeat)
@@ -701,6 +781,8 @@ class Controller:
             devices_per_host={h: self.members[h].devices for h in members},
             resume_step=resume_step, source=source, holders=tuple(h for h in members if h in holders),
             data_position=data_position, reason=reason,
+            groups=() if regrouping is None else tuple(regrouping.groups[i].slots for i in regrouping.complete),
+            source_group=source_group,
         )
         now = time.monotonic()
         detected = self._detected_at or now
@@ -735,6 +817,7 @@ class Controller:
                             "step_seconds": round(m.step_seconds, 4)}
                         for h, m in sorted(self.members.items())},
             "events": [e.report() for e in self.events],
+            "groups": [g.to_dict() for g in self.groups],
             "finished": self.summary is not None,
             "stopping": self.stop_reason,
             "error": self.error,
@@ -760,4 +843,6 @@ def _formed_sentence(world: World, lost: list[str], joined: list[str], reslotted
             start += " (every member holds it: nothing is sent)"
     else:  # the first world, or every member lost its state: from the newest checkpoint, if any
         start = "" if world.generation == 0 else "; no member holds a state: starts from the newest checkpoint, if any"
-    return f"generation {world.generation} formed{why}: {len(world.members)} hosts ({', '.join(world.members)}){start}"
+    hosts = (f"{len(world.groups)} replica groups ({'; '.join('+'.join(g) for g in world.groups)})" if world.groups
+             else f"{len(world.members)} hosts ({', '.join(world.members)})")
+    return f"generation {world.generation} formed{why}: {hosts}{start}"

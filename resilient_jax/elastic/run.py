@@ -32,6 +32,7 @@ from resilient_jax import compile_cache
 from resilient_jax import faults as faults_lib
 from resilient_jax.config import Config, ConfigError
 from resilient_jax.elastic.controller import Controller
+from resilient_jax.elastic import groups as groups_lib
 from resilient_jax.elastic import tls as tls_lib
 from resilient_jax.elastic.launcher import LocalLauncher
 from resilient_jax.run_history import RunHistory
@@ -60,26 +61,32 @@ def host_plan(cfg: Config, *, spares: bool = False) -> list[tuple[str, str]]:
     return [(f"h{len(initial) + i}", region) for i, region in enumerate(extra)]
 
 
-def validate(cfg: Config) -> None:
+def validate(cfg: Config) -> Config:
+    """Refuse, naming the key, what an elastic run cannot do; the effective config (replica
+    groups: fsdp spans the group, resilient_jax.elastic.groups.layout)."""
     # (Invariant mode on XLA_FLAGS that break it is refused by preflight.check_run, before this.)
     names = [r.name for r in cfg.topology.regions]
     if len(set(names)) != len(names):
         raise ConfigError("topology.regions: region names must be unique")
     tls_lib.check_config(cfg.runtime, cfg.runtime.token or os.environ.get("RESILIENT_JAX_TOKEN", ""))
-    # A host must hold whole replicas: survivors rebuild the state from their own shards (and a
-    # region is summed over its replicas), which a replica split between hosts would not allow.
+    host_count = len(host_plan(cfg))
+    cfg = groups_lib.layout(cfg)
+    # Without replica groups a host holds whole replicas: survivors rebuild the state from their
+    # own shards (and a region is summed over its replicas).
     replica = max(cfg.parallel.fsdp, 1) * max(cfg.parallel.tensor, 1)
     per_host = cfg.topology.devices_per_host
-    if per_host % replica:
+    if cfg.parallel.hosts_per_replica == 1 and per_host % replica:
         raise ConfigError(
             f"parallel.fsdp x parallel.tensor = {replica} devices per replica, which topology.devices_per_host "
             f"({per_host}) cannot hold whole; an elastic run keeps each replica on one host: use fsdp x tensor "
-            f"dividing {per_host}, or more devices per host")
-    hosts = len(host_plan(cfg))
+            f"dividing {per_host}, or more devices per host, or parallel.hosts_per_replica > 1 (a replica group of "
+            "hosts)")
+    hosts = host_count
     for fault in faults_lib.parse_faults(cfg.faults):
         # (A kill_region's region name is checked by preflight, which every run passes first.)
         if fault.kind in faults_lib.HOST_TARGETED and int(fault.target) >= hosts:
             raise ConfigError(f"fault {fault}: host {fault.target} does not exist (hosts 0..{hosts - 1})")
+    return cfg
 
 
 def make_launcher(cfg: Config, **kwargs):
@@ -95,7 +102,7 @@ def run_elastic(cfg: Config, *, resume: str | None = None, allow_config_change: 
                 stop_at: int | None = None) -> dict:
     """Run to the end (or a stop) and return the summary; its `stopped` is None, "interrupted",
     "preempted" or "stop_at". `resume`, `allow_config_change`, `stop_at` as for single-process runs."""
-    validate(cfg)
+    cfg = validate(cfg)
     if warning := compile_cache.check(cfg.runtime.compile_cache, cfg.run.dir):
         print(warning, file=sys.stderr, flush=True)  # once, here; each worker notes it in its own log
     run_dir = Path(cfg.run.dir)
@@ -135,6 +142,8 @@ def _drive(cfg: Config, run_dir: Path, options: dict, history: RunHistory) -> di
         console=_console, run_options=options, history=history, tls=server_tls,
         assignment=effective_policy(cfg.runtime.assignment, cfg.parallel.reduction, len(plan)),
         coordination_heartbeat_seconds=cfg.runtime.coordination_heartbeat_seconds,
+        hosts_per_replica=cfg.parallel.hosts_per_replica, min_replicas=cfg.runtime.min_replicas,
+        cross_region_replica=cfg.parallel.allow_cross_region_replica,
     )
     controller_file = run_dir / "elastic" / "controller.json"
     controller_file.write_text(json.dumps({"url": controller.url, "pid": os.getpid(),

@@ -514,6 +514,8 @@ class Worker:
 
         from resilient_jax.elastic import transfer
 
+        if world.get("groups"):
+            return self._adopt_slices(trainer, world)
         if set(world["members"]) <= set(world["holders"]):
             # Every member holds it in its own memory (survivors only, no newcomer). Replicas are
             # bit-identical -- the same program ran on the same inputs on every host (DESIGN
@@ -536,6 +538,46 @@ class Worker:
                  "own copy" if source == self.host else "from a peer, over the collective, not from disk")
         return state
 
+    def _adopt_slices(self, trainer, world: dict):
+        """`_adopt` with replica groups: a host holds only its slot's slices of its replica. Members
+        that hold the resume step's slices place their own; otherwise every replica heals from the
+        source group's (transfer.heal: slice by slice over `data`, no disk). Reports how it went --
+        the seconds, and this host's peak device bytes during it over its shard of the state."""
+        import jax
+        from jax.experimental import multihost_utils
+
+        from resilient_jax.elastic import transfer
+
+        started = time.perf_counter()
+        abstract = trainer.abstract_state()
+        if set(world["members"]) <= set(world["holders"]):
+            state = transfer.place_slices(self.kept.state, abstract)
+            multihost_utils.sync_global_devices(f"resilient_jax.adopted.{self.generation}")
+            how, peak = "own slices (every member holds its slot's)", None
+        else:
+            row = world["source_group"]
+            mine = next(i for i, g in enumerate(world["groups"]) if self.host in g)
+            holds = mine == row and self.host in world["holders"]
+            if not holds:
+                self.kept.state = None  # stale slices (an idle survivor's): gone before the new ones arrive
+            peak = [0]
+
+            def sample(_):
+                peak[0] = max(peak[0], _device_bytes(jax.live_arrays()))
+
+            state = transfer.heal(self.kept.state, abstract, trainer.mesh, row, holds_source=holds, on_leaf=sample)
+            how = "source replica (offered its slices)" if holds else f"healed from replica {row} ({world['source']}'s group)"
+        shard = _device_bytes(jax.tree.leaves(state))
+        record = {"host": self.host, "generation": self.generation, "how": how,
+                  "seconds": round(time.perf_counter() - started, 3), "state_shard_bytes": shard,
+                  "peak_bytes": None if peak is None else peak[0],
+                  "peak_over_shard": None if peak is None else round(peak[0] / shard, 3)}
+        log.info("adopted state after step %d: %s in %.2f s%s", world["resume_step"], how, record["seconds"],
+                 "" if peak is None else f"; peak device bytes {peak[0]:,} = {record['peak_over_shard']}x this host's "
+                 f"shard of the state ({shard:,})")
+        self.client.call("/adopted", retry_seconds=5, **record)
+        return state
+
     def _announce_resume(self, trainer, resumed) -> None:
         """Rank 0: metrics.jsonl keeps one record per step from here (the steps after the checkpoint
         run again), the resume is logged as the single-process trainer logs it, and the controller
@@ -554,6 +596,10 @@ class Worker:
         from resilient_jax.elastic import precompile
 
         if not precompile.wanted(self.cfg.runtime.precompile_next_worlds, jax.devices()[0].platform, self.cache_on):
+            return
+        if world.get("groups"):
+            # The next worlds of replica groups are the complete groups after a loss; not compiled ahead yet.
+            log.info("generation %d: replica groups; the next worlds are not compiled ahead", self.generation)
             return
         if len({world["devices_per_host"][h] for h in members}) > 1:
             log.info("generation %d: hosts with different device counts; the next worlds are not compiled ahead",
@@ -597,8 +643,6 @@ class Worker:
         TRAINING state, and why. `step`: steps completed so far (the loop index of the next step)."""
         import jax
         from jax.experimental import multihost_utils
-
-        from resilient_jax.elastic import transfer
 
         first = True
         clock = self.heartbeat.clock
@@ -655,13 +699,13 @@ class Worker:
                     return self._finish(trainer, loop, ckpt, state, step, stopped=STOP_REASONS[int(agreed[1])])
                 if agreed[0] > self.generation and step < total:
                     loop.flush_log()  # the steps since the last line, before this world's loop closes
-                    self._keep(transfer.to_host(state), loop)
+                    self._keep(self._to_host(state), loop)
                     return Event.WORLD_CHANGE, f"the members agreed after step {step}"
             return self._finish(trainer, loop, ckpt, state, step, stopped=None)
         except jax.errors.JaxRuntimeError as e:
             clock.started_at = None
             # compute() never donates: `state` is still the state after step `step`, on our devices.
-            self._keep(transfer.to_host(state), loop)
+            self._keep(self._to_host(state), loop)
             return Event.STEP_FAILED, f"step {step + 1} in generation {self.generation}: {str(e).splitlines()[0][:200]}"
 
     def _reassigned(self, decision, loop, step: int, *, started: float) -> None:
@@ -719,6 +763,13 @@ class Worker:
         self._last_progress = (step, now)
         self.heartbeat.report_progress(step, float(loop.totals.last_loss), tokens_per_s)
 
+    def _to_host(self, state):
+        """This host's copy of the state in host memory: whole (a host holds whole replicas), or its
+        own slices (a replica group of hosts: no host holds the whole)."""
+        from resilient_jax.elastic import transfer
+
+        return transfer.local_slices(state) if self.cfg.parallel.hosts_per_replica > 1 else transfer.to_host(state)
+
     def _keep(self, host_state, loop) -> None:
         self.kept.state = host_state
         self.kept.data_position = loop.position_at(self.kept.completed_step + 1).to_dict()
@@ -739,6 +790,16 @@ class Worker:
             self.metrics = MetricsLog(trainer.run_dir, self.cfg.train.steps, progress="plain", start_step=start)
             self.metrics_dropped = self.metrics.dropped
         return self.metrics
+
+
+def _device_bytes(arrays) -> int:
+    """Bytes of this process's device buffers behind `arrays`, each buffer once: a shard's
+    single-device view, or a host array aliasing a CPU buffer, is not counted twice."""
+    seen: dict[tuple, int] = {}
+    for a in arrays:
+        for s in a.addressable_shards:
+            seen[(s.device.id, s.data.unsafe_buffer_pointer())] = s.data.nbytes
+    return sum(seen.values())
 
 
 def _position_from_dict(d: dict | None):

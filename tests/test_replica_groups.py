@@ -1,0 +1,58 @@
+"""Replica groups end to end: a replica spans 2 hosts (parallel.hosts_per_replica=2), real worker
+processes, real SIGKILL. A death idles its group and the other groups go on; a replacement host
+re-forms the group, which heals from a sibling replica over the collective (no disk); a region
+loss removes its group. Every run ends on the fault-free trajectory (the exact reduction makes
+it the same for any layout and any number of groups), with restarts 0 and steps lost 0."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import REPO
+from test_elastic import STEPS, elastic_run
+
+pytestmark = pytest.mark.slow
+
+GROUPS_OF_2 = ("--set", "parallel.hosts_per_replica=2")
+
+
+@pytest.fixture(scope="module")
+def reference(fault_free):
+    """The fault-free trajectory, computed in one process on 8 devices (data=8, fsdp=1): the
+    groups' layouts (data=2 x fsdp=4, then 1 x 4) must land on the same bits."""
+    return fault_free(f"train.steps={STEPS}", "checkpoint.enabled=false")["params_fingerprint"]
+
+
+def test_a_killed_host_idles_its_group_and_a_replacement_heals_it_from_a_sibling(tmp_path, reference):
+    summary = elastic_run(tmp_path, str(REPO / "configs" / "cpu-4host.yaml"), *GROUPS_OF_2,
+                          "--set", "checkpoint.enabled=false", "--fault", "kill_host:1@20", "--fault", "join_host@30")
+    assert summary["final_step"] == STEPS and summary["params_fingerprint"] == reference
+    assert summary["restarts"] == 0 and summary["steps_lost"] == 0
+    failure, join = summary["events"]
+    # h1's death broke group us (h0+h1): generation 1 is the eu group alone, from its own slices.
+    assert (failure["reason"], failure["lost"], failure["resume_step"]) == ("failure", ["h1"], 20)
+    assert sorted(failure["adoption"]) == ["h2", "h3"]
+    assert all(a["how"].startswith("own slices") for a in failure["adoption"].values())
+    # h4 (region us) took h1's slot; h0 had idled since step 20, so both heal from the eu replica.
+    assert join["reason"] == "join" and join["joined"] == ["h4"] and join["resume_step"] >= 30
+    healed = {h: a for h, a in join["adoption"].items() if a["how"].startswith("healed")}
+    assert sorted(healed) == ["h0", "h4"]
+    assert sorted(h for h, a in join["adoption"].items() if a["how"].startswith("source")) == ["h2", "h3"]
+    for host, adoption in healed.items():
+        # The healing host's device memory while the state arrives: its shard plus one leaf in flight.
+        assert adoption["peak_over_shard"] <= 1.5, (host, adoption)
+    assert summary["replica_groups"] == [{"region": "us", "slots": ["h0", "h4"]},
+                                         {"region": "eu", "slots": ["h2", "h3"]}]
+    assert failure["from_checkpoint"] is None and join["from_checkpoint"] is None  # memory, never disk
+    assert "healed from replica 1" in (tmp_path / "elastic" / "logs" / "h0.log").read_text()
+
+
+def test_a_region_loss_removes_its_group_and_the_others_keep_the_trajectory(tmp_path, reference):
+    summary = elastic_run(tmp_path, str(REPO / "configs" / "cpu-6host-3region.yaml"), *GROUPS_OF_2,
+                          "--set", "checkpoint.enabled=false", "--fault", "kill_region:ap@20")
+    assert summary["final_step"] == STEPS and summary["params_fingerprint"] == reference
+    assert summary["restarts"] == 0 and summary["steps_lost"] == 0
+    (failure,) = summary["events"]
+    assert sorted(failure["lost"]) == ["h4", "h5"] and failure["resume_step"] == 20
+    assert sorted(failure["adoption"]) == ["h0", "h1", "h2", "h3"]  # the us and eu groups, their own slices
+    assert summary["replica_groups"][2] == {"region": "ap", "slots": [None, None]}
