@@ -300,7 +300,7 @@ class Trainer:
 
     def host_state_template(self) -> state_lib.TrainState:
         """Zeros shaped like the state, in host memory (what a newcomer offers to a broadcast)."""
-        abstract = state_lib.abstract_state(self.model_def, self.tx, self.mesh)
+        abstract = self.abstract_state()
         return jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), abstract)
 
     def abstract_state(self) -> state_lib.TrainState:
@@ -319,7 +319,7 @@ class Trainer:
                 raise ValueError(f"state leaf {jax.tree_util.keystr(path)} is {np.result_type(got)}"
                                  f"{list(np.shape(got))}; this model's state has {np.dtype(want.dtype)}{list(want.shape)}")
 
-        jax.tree_util.tree_map_with_path(check, host_state, state_lib.abstract_state(self.model_def, self.tx, self.mesh))
+        jax.tree_util.tree_map_with_path(check, host_state, self.abstract_state())
         return jax.tree.map(
             lambda x, sharding: jax.make_array_from_callback(x.shape, sharding, lambda index: x[index]),
             host_state, self.shardings,
@@ -344,7 +344,7 @@ class Trainer:
     def precompile_abstract(self) -> None:
         """`precompile` from the state's shapes and shardings alone: for a world that does not exist
         yet (its cache entries are what matter), nothing is allocated."""
-        self.precompile(state_lib.abstract_state(self.model_def, self.tx, self.mesh))
+        self.precompile(self.abstract_state())
 
     def checkpoints(self, *, generation: int = 0, regions: dict[int, str] | None = None,
                     interruptible: bool = False) -> CheckpointSession:
@@ -356,7 +356,7 @@ class Trainer:
     def restore(self, ckpt: CheckpointSession):
         """The checkpoint to resume from (validated), or None; closes `ckpt` if that fails."""
         try:
-            return ckpt.restore(state_lib.abstract_state(self.model_def, self.tx, self.mesh))
+            return ckpt.restore(self.abstract_state())
         except BaseException:
             ckpt.close()
             raise

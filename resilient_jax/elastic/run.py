@@ -69,7 +69,6 @@ def validate(cfg: Config) -> Config:
     if len(set(names)) != len(names):
         raise ConfigError("topology.regions: region names must be unique")
     tls_lib.check_config(cfg.runtime, cfg.runtime.token or os.environ.get("RESILIENT_JAX_TOKEN", ""))
-    host_count = len(host_plan(cfg))
     cfg = groups_lib.layout(cfg)
     # Without replica groups a host holds whole replicas: survivors rebuild the state from their
     # own shards (and a region is summed over its replicas).
@@ -81,7 +80,7 @@ def validate(cfg: Config) -> Config:
             f"({per_host}) cannot hold whole; an elastic run keeps each replica on one host: use fsdp x tensor "
             f"dividing {per_host}, or more devices per host, or parallel.hosts_per_replica > 1 (a replica group of "
             "hosts)")
-    hosts = host_count
+    hosts = len(host_plan(cfg))
     for fault in faults_lib.parse_faults(cfg.faults):
         # (A kill_region's region name is checked by preflight, which every run passes first.)
         if fault.kind in faults_lib.HOST_TARGETED and int(fault.target) >= hosts:

@@ -11,6 +11,8 @@ while it runs (the state and its packed bytes).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 
@@ -139,14 +141,16 @@ def heal(kept, abstract, mesh, source_row: int, *, holds_source: bool, on_leaf=N
             return np.zeros((1, *shape), want.dtype)
 
         x = jax.make_array_from_callback((rows, *want.shape), stacked, offer)
-        out.append(_pick_row(mesh, PartitionSpec(*spec), want.dtype, source_row)(x))
+        out.append(_pick_row(mesh, PartitionSpec(*spec), np.dtype(want.dtype), source_row)(x))
         del x
         if on_leaf is not None:
             on_leaf(i)
     return jax.tree.unflatten(treedef, out)
 
 
+@functools.lru_cache(maxsize=64)
 def _pick_row(mesh, spec, dtype, row: int):
+    """The compiled row selection for one (spec, dtype): leaves of the same kind share it."""
     import jax.numpy as jnp
     from jax import lax
     from jax.sharding import PartitionSpec
