@@ -24,6 +24,7 @@ sends every bit pattern (NaN and infinity ones too) through the scanned, remater
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -37,6 +38,15 @@ from resilient_jax import mesh as mesh_lib
 from resilient_jax.reduce import GroupSum, Reducer, block_dims
 
 
+# Packing a group's leaves into one collective (collectives.gather / scatter_sum) saves a collective
+# per leaf, which matters on XLA:CPU (no combiner), but costs a packed copy of the whole group next
+# to its leaves -- at the 300B config's widths a 25 GB int64 row for one block's exact gradient
+# sum (scripts/bench_scale.py). Above this size (the group's full weights, in their dtypes) each
+# leaf has its own collectives, whose buffers XLA can free one by one; on GPU its combiners
+# merge small collectives anyway. The exact sum has the same bits either way (integers).
+PACK_MAX_BYTES = 64 << 20
+
+
 @dataclass(frozen=True)
 class Group:
     """One parameter group as a device of the data x fsdp grid sees it (static, hashable)."""
@@ -47,10 +57,17 @@ class Group:
     dims: tuple[int, ...]  # the dim sharded over fsdp; -1: not sharded (whole on every member)
     axis: str  # the fsdp mesh axis
     size: int  # its size
-    pack: bool  # one collective per kind for the whole group (False with tensor > 1: see collectives.gather)
+    # One collective per kind for the whole group -- False with tensor > 1 (see collectives.gather)
+    # and for a group over PACK_MAX_BYTES (see there).
+    pack: bool
     # Per leaf, its sharding over the mesh axes GSPMD partitions inside the step (`tensor` when > 1;
     # None when there are none): gathered weights and their gradients are pinned to it.
     auto_specs: tuple[PartitionSpec, ...] | None = None
+    # Per leaf, the dtype it is gathered in (None: its own). The model only ever uses such a leaf
+    # cast to that dtype, so casting the fsdp slice before the gather gives the same bits with half
+    # the gathered bytes (bf16), and its gradient comes back in that dtype, as the model's cast
+    # would have made it, before it is widened again for the sum.
+    gather_dtypes: tuple[Any, ...] | None = None
 
     def local_shape(self, i: int) -> tuple[int, ...]:
         shape, dim = list(self.shapes[i]), self.dims[i]
@@ -72,6 +89,9 @@ class Group:
 
     def gather(self, local_tree):
         """The group's full weights from every member's slice (all-gathers over fsdp)."""
+        if self.gather_dtypes is not None:
+            local_tree = jax.tree.unflatten(self.treedef, [
+                x.astype(d) for x, d in zip(self.treedef.flatten_up_to(local_tree), self.gather_dtypes)])
         return self.pin(collectives.gather(local_tree, jax.tree.unflatten(self.treedef, list(self.dims)),
                                            axis=self.axis, size=self.size, pack=self.pack))
 
@@ -88,9 +108,10 @@ class Group:
         return jax.tree.unflatten(self.treedef, [jnp.zeros(self.local_shape(i), d) for i, d in enumerate(self.dtypes)])
 
 
-def group_of(shapes_tree, specs_tree, mesh: Mesh, drop_leading: bool = False) -> Group:
+def group_of(shapes_tree, specs_tree, mesh: Mesh, drop_leading: bool = False, gather_dtypes_tree=None) -> Group:
     """The Group of params with these (full) shapes and PartitionSpecs on `mesh`; `drop_leading`:
-    one layer of stacked params."""
+    one layer of stacked params; `gather_dtypes_tree`: per leaf, the dtype to gather it in (None
+    leaves: its own; see Group.gather_dtypes)."""
     leaves, treedef = jax.tree.flatten(shapes_tree)
     specs = treedef.flatten_up_to(specs_tree)
     fsdp, tensor = mesh_lib.FSDP_AXIS, mesh_lib.TENSOR_AXIS
@@ -104,9 +125,16 @@ def group_of(shapes_tree, specs_tree, mesh: Mesh, drop_leading: bool = False) ->
     if mesh.shape[tensor] > 1:  # tensor is the only axis GSPMD partitions inside the step
         auto_specs = tuple(PartitionSpec(*(a if a == tensor else None for a in tuple(spec) + (None,) * (len(shape)
                                            - len(spec)))) for spec, shape in zip(specs, shapes))
-    return Group(treedef=treedef, shapes=tuple(shapes), dtypes=tuple(jnp.dtype(x.dtype) for x in leaves),
-                 dims=tuple(dims), axis=fsdp, size=mesh.shape[fsdp], pack=mesh.shape[tensor] == 1,
-                 auto_specs=auto_specs)
+    dtypes = tuple(jnp.dtype(x.dtype) for x in leaves)
+    gather_dtypes = None
+    if gather_dtypes_tree is not None:
+        wanted = treedef.flatten_up_to(gather_dtypes_tree)
+        gather_dtypes = tuple(own if d is None else jnp.dtype(d) for own, d in zip(dtypes, wanted))
+        gather_dtypes = None if gather_dtypes == dtypes else gather_dtypes
+    full_bytes = sum(math.prod(shape) * d.itemsize for shape, d in zip(shapes, dtypes))
+    return Group(treedef=treedef, shapes=tuple(shapes), dtypes=dtypes, dims=tuple(dims), axis=fsdp,
+                 size=mesh.shape[fsdp], pack=mesh.shape[tensor] == 1 and full_bytes <= PACK_MAX_BYTES,
+                 auto_specs=auto_specs, gather_dtypes=gather_dtypes)
 
 
 # -- channels: a group's running sum as float32 bits --------------------------------------------------
@@ -155,7 +183,9 @@ def summing_gather(group: Group, reducer: Reducer) -> Callable:
         return group.gather(local), channel
 
     def backward(channel, grads_full):
-        total = reducer.add(group, from_channel(channel, like), jax.tree.leaves(group.pin(grads_full)))
+        # Widened back to the params' dtype (exact) before anything sums them.
+        grads = [g.astype(d) for g, d in zip(jax.tree.leaves(group.pin(grads_full)), group.dtypes)]
+        total = reducer.add(group, from_channel(channel, like), grads)
         return group.zeros(), to_channel(total)
 
     gather.defvjp(forward, backward)
@@ -214,9 +244,11 @@ class Partition:
         top_specs = {k: v for k, v in specs.items() if k != "blocks"}
         blocks, block_specs = shapes["blocks"], specs["blocks"]
         stacked = model_def.cfg.scan_layers
-        layer = (group_of(blocks, block_specs, mesh, drop_leading=True) if stacked
-                 else group_of(blocks[0], block_specs[0], mesh))
-        return cls(top=group_of(top, top_specs, mesh), layer=layer, n_layers=model_def.cfg.n_layers, stacked=stacked,
+        cast = model_def.compute_cast_dtypes()
+        top_cast = {k: v for k, v in cast.items() if k != "blocks"}
+        layer = (group_of(blocks, block_specs, mesh, drop_leading=True, gather_dtypes_tree=cast["blocks"]) if stacked
+                 else group_of(blocks[0], block_specs[0], mesh, gather_dtypes_tree=cast["blocks"][0]))
+        return cls(top=group_of(top, top_specs, mesh, gather_dtypes_tree=top_cast), layer=layer, n_layers=model_def.cfg.n_layers, stacked=stacked,
                    activation_rule=activation_rule)
 
     def groups(self) -> list[Group]:

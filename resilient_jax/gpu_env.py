@@ -32,7 +32,7 @@ MEM_FRACTION_ENV = "XLA_CLIENT_MEM_FRACTION"
 # The deprecated name of MEM_FRACTION_ENV; jaxlib raises if both are set, so either one set means "user's".
 DEPRECATED_MEM_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 
-# One process per node owns its 8 GPUs; the 8 B configs' measured peak (56.9 GiB native, 68.9
+# One process per node owns its 8 GPUs; the 8 B configs' measured peak (55.4 GiB native, 66.9
 # invariant: configs/gpu-46node-4region.yaml) fits JAX's default 75% of an H200, but not of an
 # 80 GB GPU, and leaves less room for longer sequences. The remaining 10% (~14 GiB of 141) is for what lives outside XLA's pool:
 # the CUDA context, cuBLAS/cuDNN workspaces and NCCL's buffers.

@@ -80,6 +80,7 @@ class Attention(nnx.Module):
         self.rope_base = cfg.rope_base
         self.dropout = cfg.dropout
         self.attention = cfg.attention
+        self.attention_chunk = cfg.attention_chunk
 
     def __call__(self, x_BxLxD: jax.Array, key: jax.Array | None) -> jax.Array:
         dtype, heads = x_BxLxD.dtype, ("batch", "length", "heads", "kv")
@@ -89,23 +90,45 @@ class Attention(nnx.Module):
         if self.attention == "dot_product":
             # XLA's softmax attention on CPU, cuDNN's fused flash attention on GPU where it applies.
             out_BxLxHxK = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        elif self.attention == "chunked":
+            out_BxLxHxK = self._chunked_attention(q, k, v, key)
         else:
             out_BxLxHxK = self._explicit_attention(q, k, v, key)
         out_BxLxHxK = constrain(out_BxLxHxK, heads)
         return constrain(jnp.einsum("blhk,hkd->bld", out_BxLxHxK, self.wo[...].astype(dtype)), ("batch", "length", "embed"))
 
-    def _explicit_attention(self, q, k, v, key):
-        dtype, seq_len = q.dtype, q.shape[1]
-        scores_BxHxLxL = jnp.einsum("bqhk,bshk->bhqs", q, k).astype(jnp.float32) * (q.shape[-1] ** -0.5)
-        scores_BxHxLxL = constrain(scores_BxHxLxL, ("batch", "heads", "length", "kv_length"))
-        causal = jnp.tril(jnp.ones((seq_len, seq_len), dtype=bool))
-        scores_BxHxLxL = jnp.where(causal, scores_BxHxLxL, jnp.finfo(jnp.float32).min)
+    def _explicit_attention(self, q, k, v, key, first_row=0):
+        """Causal softmax attention of the query rows q (rows first_row.. of the sequence) over all
+        of k, v."""
+        dtype, rows, seq_len = q.dtype, q.shape[1], k.shape[1]
+        scores_BxHxQxL = jnp.einsum("bqhk,bshk->bhqs", q, k).astype(jnp.float32) * (q.shape[-1] ** -0.5)
+        scores_BxHxQxL = constrain(scores_BxHxQxL, ("batch", "heads", "length", "kv_length"))
+        causal = (first_row + jnp.arange(rows))[:, None] >= jnp.arange(seq_len)[None, :]
+        scores_BxHxQxL = jnp.where(causal, scores_BxHxQxL, jnp.finfo(jnp.float32).min)
         # exp(x - logsumexp) rather than jax.nn.softmax's exp / sum: XLA rewrites the backward
         # division differently in single- and multi-device programs, which changed the bits.
-        lse = jax.nn.logsumexp(scores_BxHxLxL, axis=-1, keepdims=True)
-        probs = jnp.exp(scores_BxHxLxL - lse).astype(dtype)
+        lse = jax.nn.logsumexp(scores_BxHxQxL, axis=-1, keepdims=True)
+        probs = jnp.exp(scores_BxHxQxL - lse).astype(dtype)
         probs = _dropout(probs, self.dropout, key)
         return jnp.einsum("bhqs,bshk->bqhk", probs, v)
+
+    def _chunked_attention(self, q, k, v, key):
+        """The explicit form over blocks of `attention_chunk` query rows, one after another (a
+        lax.map), each block under jax.checkpoint: only one block's [b, h, chunk, L] scores are ever
+        live, in the forward and the backward pass. Block i's dropout key is fold_in(key, i)."""
+        B, L, H, K = q.shape
+        chunk = min(self.attention_chunk, L)
+        n = L // chunk
+        q_NxBxCxHxK = jnp.moveaxis(q.reshape(B, n, chunk, H, K), 1, 0)
+
+        @jax.checkpoint
+        def block(args):
+            i, q_BxCxHxK = args
+            block_key = None if key is None else jax.random.fold_in(key, i)
+            return self._explicit_attention(q_BxCxHxK, k, v, block_key, first_row=i * chunk)
+
+        out_NxBxCxHxK = jax.lax.map(block, (jnp.arange(n, dtype=jnp.int32), q_NxBxCxHxK))
+        return jnp.moveaxis(out_NxBxCxHxK, 0, 1).reshape(B, L, H, K)
 
 
 class GatedMLP(nnx.Module):
@@ -147,6 +170,11 @@ def _with_params(block: Block, prepare_layer, layer_input) -> Block:
 
 
 class TransformerLM(nnx.Module):
+    # Params the model only ever uses as `w.astype(self.dtype)` (in matmuls): a caller may pass them
+    # already cast (resilient_jax.state.ModelDef.compute_cast_dtypes) without changing a bit. Not
+    # the embedding: its gradient is a scatter-add over repeated tokens, which is done in float32.
+    CAST_TO_COMPUTE_DTYPE = frozenset({"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "unembed"})
+
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         if cfg.d_model % cfg.n_heads or (cfg.d_model // cfg.n_heads) % 2:
             raise ValueError(

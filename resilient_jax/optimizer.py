@@ -18,6 +18,7 @@ the rest of `decay_steps` (0 = the run's train.steps), ending at lr * min_lr_rat
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from resilient_jax import reduce
@@ -67,17 +68,20 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
 
 
 def _base_optimizer(cfg: OptimizerConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
+    # None keeps optax's default (the params' dtype, float32) and so the state it always had.
+    mu_dtype = None if cfg.mu_dtype == "float32" else jnp.dtype(cfg.mu_dtype)
     if cfg.name == "adamw":
         return optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                           mask=_decay_mask)
+                           mask=_decay_mask, mu_dtype=mu_dtype)
     if cfg.name == "lion":
-        return optax.lion(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=_decay_mask)
+        return optax.lion(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=_decay_mask,
+                          mu_dtype=mu_dtype)
     if cfg.name == "adafactor":
         return optax.adafactor(schedule, weight_decay_rate=cfg.weight_decay or None,
                                weight_decay_mask=_decay_mask)
     if cfg.name == "sgd":
         return optax.chain(optax.add_decayed_weights(cfg.weight_decay, mask=_decay_mask),
-                           optax.sgd(schedule, momentum=cfg.momentum or None))
+                           optax.sgd(schedule, momentum=cfg.momentum or None, accumulator_dtype=mu_dtype))
     raise ValueError(f"unknown optimizer.name {cfg.name!r}")  # the config's Literal type rejects it first
 
 

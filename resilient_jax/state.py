@@ -96,6 +96,22 @@ class ModelDef:
             return jax.tree.map(lambda axes: axes[1:], blocks, is_leaf=lambda x: isinstance(x, tuple))
         return blocks[0]
 
+    def compute_cast_dtypes(self):
+        """Per param (the params dict's structure), the dtype the model only ever uses it cast to,
+        or None: the built-in transformer's weight matrices under a narrower model.dtype
+        (TransformerLM.CAST_TO_COMPUTE_DTYPE). The framework may hand those over already cast, e.g.
+        gather them over fsdp in bf16: the same bits at half the bytes."""
+        from resilient_jax.model import TransformerLM
+
+        dtype = jnp.dtype(self.cfg.dtype)
+        narrower = self.builtin and dtype.itemsize < 4
+
+        def cast(path, leaf):
+            name = str(getattr(path[-1], "key", path[-1]))
+            return dtype if narrower and name in TransformerLM.CAST_TO_COMPUTE_DTYPE else None
+
+        return jax.tree_util.tree_map_with_path(cast, self.abstract_params)
+
     def init_params(self, key: jax.Array):
         return nnx.to_pure_dict(nnx.state(_build_model(self.build, key), nnx.Param))
 

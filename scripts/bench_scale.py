@@ -16,13 +16,16 @@ Three sections, one JSON report on stdout (progress on stderr):
            for a config with parallel.hosts_per_replica = k > 1 (data=1 x fsdp=k*8 emulated devices,
            e.g. 80 for gpu-300b-46node's groups of 10 nodes) -- with that replica's share of the
            virtual shards, REAL d_model, d_ff, heads, vocab, seq_len and rows per shard, the config's
-           remat/scan/attention settings, compiled with 2 and 3 layers, extrapolated linearly in depth:
-               peak(L) = peak(3) + (L - 3) * (peak(3) - peak(2))
+           remat/scan/attention settings, compiled with 8 and 16 layers, extrapolated linearly in depth:
+               peak(L) = peak(16) + (L - 16) * (peak(16) - peak(8))
            Each layer adds the same parameters, optimizer state, gradients and (with remat) what one
-           block keeps, so every term is affine in L; the 2- and 3-layer compiles give the slope and
+           block keeps, so every term is affine in L; the 8- and 16-layer compiles give the slope and
            the embedding/unembedding/logits the intercept. Not 1 layer: XLA removes a scan's loop of
            one trip, which makes another program (gpu-8b native: 2.22 GB more temporaries from 1 to
-           2 layers, 0.93 GB from 2 to 3). The `data` axis only replicates, so a replica's program
+           2 layers, 0.93 GB from 2 to 3). Not 2 and 3 either: XLA's heap packing moves the peak by
+           up to ~1 GB between nearby depths (gpu-300b-46node native: +1.50 GB from 2 to 3 layers,
+           +0.56 GB from 3 to 4, then 1.03 GB a layer from 4 to 8 and from 8 to 16), and 93 times a
+           wrong slope is far off. The `data` axis only replicates, so a replica's program
            is every replica's per-device program. Each compile runs in its own subprocess (its max
            RSS is reported) and nothing is executed.
 
@@ -64,7 +67,7 @@ MESHES = ((1, 1), (8, 1), (2, 4), (1, 8))  # (data, fsdp); (1, 1) is the one-dev
 GPU_CONFIGS = {"gpu-8b": 128, "gpu-46node-4region": 368, "gpu-300b-46node": 320}
 GPUS_PER_NODE = 8
 GIB = 2**30
-DEPTHS = (2, 3)  # layers of the gpu section's two compiles (see the module docstring)
+DEPTHS = (8, 16)  # layers of the gpu section's two compiles (see the module docstring)
 
 
 def build_step(cfg, mesh):
@@ -374,7 +377,7 @@ def section_gpu(names: list[str], modes: list[str], timeout: float) -> dict:
 
             def extrapolate(get):
                 low, high = (get(by_depth[d]) for d in DEPTHS)
-                return high + (L - DEPTHS[1]) * (high - low)
+                return round(high + (L - DEPTHS[1]) * (high - low) / (DEPTHS[1] - DEPTHS[0]))
 
             phases = {ph: extrapolate(lambda r, ph=ph: r["phase_bytes"][ph]) for ph in ("compute", "apply")}
             out[name][mode] = {

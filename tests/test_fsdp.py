@@ -186,3 +186,67 @@ def test_the_gpu_configs_path_scanned_layers_and_save_dots_has_the_same_bits_on_
     for layout, leaves in grads.items():
         for a, b in zip(grads[(8, 1)], leaves):
             np.testing.assert_array_equal(a, b, err_msg=str(layout))
+
+
+_BF16_RUNS: dict = {}
+
+
+def _bf16_grads(mode: str, data: int = 2, fsdp_size: int = 4):
+    """The compute step's gradients of a bf16, scanned, rematerialised model on a data x fsdp mesh
+    (with the program's compiled and lowered text); runs are shared between tests while the
+    settings they patch are the same."""
+    from resilient_jax.model import TransformerLM
+
+    key = (mode, data, fsdp_size, fsdp.PACK_MAX_BYTES, TransformerLM.CAST_TO_COMPUTE_DTYPE)
+    if key not in _BF16_RUNS:
+        _BF16_RUNS[key] = _run_bf16(mode, data, fsdp_size)
+    return _BF16_RUNS[key]
+
+
+def _run_bf16(mode: str, data: int, fsdp_size: int):
+    cfg = dataclasses.replace(WIDE, n_layers=2, d_model=64, d_ff=128, dtype="bfloat16", remat="block")
+    model_def = state_lib.make_model_def(cfg)
+    mesh = mesh_lib.build_mesh(ParallelConfig(data=data, fsdp=fsdp_size), jax.devices()[:data * fsdp_size])
+    plan = step_lib.make_shard_plan(16, 16, data * fsdp_size)
+    compute = step_lib.make_compute(model_def, mesh, plan, seed=0, mode=mode, use_dropout=False)
+    rs = np.random.default_rng(3)
+    tokens = rs.integers(0, 512, (16, 17), dtype=np.int32)
+    weights = np.ones((16, 16), np.float32)
+    params = jax.device_put(model_def.init_params(jax.random.key(1)),
+                            mesh_lib.shardings_from_logical(model_def.logical_axes, mesh))
+    lowered = compute.lower(params, tokens, weights, np.int32(0))
+    compiled = lowered.compile()  # one compile: run it, read its HLO
+    result = compiled(params, tokens, weights, np.int32(0), plan.layout())
+    return [np.asarray(x) for x in jax.tree.leaves(result.grads)], compiled.as_text(), lowered.as_text()
+
+
+@pytest.mark.parametrize("mode", ["invariant", "native"])
+def test_weights_gathered_in_bf16_give_the_bits_of_the_models_own_cast(mode, monkeypatch):
+    # The model uses its matrices only as w.astype(bf16), so gathering the fsdp slices already cast
+    # (half the bytes) must change no bit of the gradient, in either reduction.
+    from resilient_jax.model import TransformerLM
+
+    cast, _, cast_program = _bf16_grads(mode)
+    monkeypatch.setattr(TransformerLM, "CAST_TO_COMPUTE_DTYPE", frozenset())
+    own, _, own_program = _bf16_grads(mode)
+    for a, b in zip(own, cast):
+        np.testing.assert_array_equal(a, b)
+    # ... and the program gathers bf16 (not float32 then a cast) when allowed to. (Read before XLA's
+    # passes: XLA:CPU widens bf16 collectives to float32; GPUs move bf16.)
+    bf16_gathers = lambda text: [line for line in text.splitlines() if "all_gather" in line and "bf16" in line]  # noqa: E731
+    assert bf16_gathers(cast_program)
+    assert not bf16_gathers(own_program)
+
+
+def test_a_group_over_the_pack_limit_has_one_collective_per_leaf_and_the_same_exact_sum(monkeypatch):
+    # Packing a big group's leaves into one collective costs a packed copy of the whole group
+    # (25 GB of int64 at the 300B config's widths); above fsdp.PACK_MAX_BYTES each leaf has its own
+    # collectives. Integers sum exactly, so the invariant gradient is the same bits either way.
+    packed, packed_hlo, _ = _bf16_grads("invariant")
+    monkeypatch.setattr(fsdp, "PACK_MAX_BYTES", 0)
+    per_leaf, per_leaf_hlo, _ = _bf16_grads("invariant")
+    for a, b in zip(packed, per_leaf):
+        np.testing.assert_array_equal(a, b)
+    count = lambda hlo, op: len(re.findall(rf"= \S+ {op}\(", hlo))  # noqa: E731
+    assert count(per_leaf_hlo, "all-gather") > count(packed_hlo, "all-gather")
+    assert count(per_leaf_hlo, "reduce-scatter") > count(packed_hlo, "reduce-scatter")

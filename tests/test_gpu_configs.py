@@ -3,7 +3,7 @@ and compile (really partitioned, buffers assigned) as a reduced copy on emulated
 
 The per-device peak of the full-size configs is measured by `scripts/bench_scale.py --sections gpu`
 (one replica's program -- a node's, or a replica group's with parallel.hosts_per_replica > 1 --
-real widths, 2 and 3 layers, extrapolated to the configs' depth).
+real widths, 8 and 16 layers, extrapolated to the configs' depth).
 """
 
 from __future__ import annotations

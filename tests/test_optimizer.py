@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -109,3 +111,13 @@ def test_default_is_the_old_adamw_cosine():
 def test_unknown_optimizer_or_schedule_is_refused_naming_the_key(key, value):
     with pytest.raises(ConfigError, match=rf"config key {key}: expected one of .*got '{value}'"):
         load_config(TINY, [f"{key}={value}"])
+
+
+def test_a_bf16_first_moment_is_stored_in_bf16_and_adafactor_refuses_it():
+    params = {"w": jnp.ones((4, 4), jnp.float32)}
+    state = build_optimizer(OptimizerConfig(mu_dtype="bfloat16"), 10).init(params)
+    dtypes = {str(x.dtype) for x in jax.tree.leaves(state) if getattr(x, "ndim", 0) == 2}
+    assert dtypes == {"bfloat16", "float32"}, dtypes  # mu bf16, nu float32
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["optimizer.name=adafactor", "optimizer.mu_dtype=bfloat16"])
+    assert "optimizer.mu_dtype" in str(err.value) and "\n" not in str(err.value)
