@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, read_summary, run_cli
 from test_elastic import STEPS, elastic_run
 
 pytestmark = pytest.mark.slow
@@ -56,3 +56,33 @@ def test_a_region_loss_removes_its_group_and_the_others_keep_the_trajectory(tmp_
     assert sorted(failure["lost"]) == ["h4", "h5"] and failure["resume_step"] == 20
     assert sorted(failure["adoption"]) == ["h0", "h1", "h2", "h3"]  # the us and eu groups, their own slices
     assert summary["replica_groups"][2] == {"region": "ap", "slots": [None, None]}
+
+
+def test_a_preempted_run_of_2_host_replicas_resumes_with_1_host_replicas_on_the_same_trajectory(tmp_path, fault_free):
+    # parallel.hosts_per_replica is layout, like fsdp: the checkpoint's arrays do not depend on it,
+    # its topology field records the groups, and the exact reduction keeps the trajectory.
+    import signal
+
+    from resilient_jax.checkpoint import reader
+
+    from test_elastic_first_hour import STEPS as STOP_STEPS, interrupt, train_args
+
+    reference = fault_free(f"train.steps={STOP_STEPS}", "checkpoint.enabled=false")["params_fingerprint"]
+    run_dir = tmp_path / "run"
+    code, out, err = interrupt(tmp_path, "groups", train_args(run_dir, *GROUPS_OF_2), after_step=10, times=1,
+                               signum=signal.SIGTERM)
+    assert code == 143, out + err
+    preempted = reader.list_steps(run_dir / "checkpoints")[-1]
+    assert 10 <= preempted < STOP_STEPS
+    saved = reader.read_context(run_dir / "checkpoints" / str(preempted))["topology"]
+    assert saved["replica_groups"] == [[0, 1], [2, 3]] and saved["mesh"]["shape"] == [2, 4, 1]
+
+    resumed = run_cli(*train_args(run_dir), timeout=600)  # hosts_per_replica back to its default, 1
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+    assert f"resumes from the checkpoint of step {preempted}" in resumed.stdout
+    summary = read_summary(run_dir)
+    assert summary["final_step"] == STOP_STEPS and summary["params_fingerprint"] == reference
+    final = reader.read_context(run_dir / "checkpoints" / str(STOP_STEPS))["topology"]
+    assert final["replica_groups"] == [[0], [0], [1], [1], [2], [2], [3], [3]]  # data=8: 2 replicas a host
+    (change,) = [h for h in final["history"] if h["step"] == preempted]
+    assert "replicas of 2 hosts" in change["from_text"] and "replicas of" not in change["to_text"]

@@ -36,8 +36,10 @@ from resilient_jax.config import Config, diff_keys
 # are a topology change, not a config change: the state is resharded onto the new mesh and the
 # change recorded in the topology field -- in invariant mode the trajectory does not move. So is the
 # order of the gradient sum across regions (parallel.cross_region: an integer sum in any order).
+# How many hosts one replica spans (parallel.hosts_per_replica, and whether it may span regions)
+# is layout too: it only changes fsdp and data, so a run resumes onto another k.
 LAYOUT = ("parallel.devices", "parallel.data", "parallel.fsdp", "parallel.tensor", "parallel.cross_region",
-          "topology.", "runtime.")
+          "parallel.hosts_per_replica", "parallel.allow_cross_region_replica", "topology.", "runtime.")
 # Where the data is read from (data.dataset, data.src, data.build_if_missing) is operational too:
 # what the run trains on is pinned by the dataset version, which is checked on its own (above), so a
 # dataset moved to another directory, or the same relative path resolved from another directory,
