@@ -10,6 +10,10 @@ their wall-clock origin and recovery seconds). The phases drawn are the issue's 
     re-forming  LEAVING + WAITING + JOINING (+ RESTORING) after it
     adopting    ADOPTING
     compiling   COMPILING
+    idle        WAITING after training while other hosts trained on: live but in no world -- a
+                survivor of a broken replica group (parallel.hosts_per_replica > 1), or a spare
+
+With replica groups, each host's row is labelled with its group (summary.json's replica_groups).
 
 A host killed mid-state leaves no line for its death: its last span ends at its last step in the
 controller's timeline.json (else its last transition). `spans` is pure (lines -> spans), so it is
@@ -32,7 +36,7 @@ PHASE_OF = {
     State.COMPILING.value: "compiling",
 }
 COLORS = {"starting": "tab:gray", "training": "tab:green", "detecting": "tab:red", "re-forming": "tab:orange", "adopting": "tab:purple",
-          "compiling": "tab:blue"}
+          "compiling": "tab:blue", "idle": "tab:olive"}
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,7 @@ class RunTimeline:
     spans: list[Span]
     recoveries: list[dict]  # summary events with a fault: origin_wall, recovery_seconds, lost
     start: float  # the earliest journal line
+    labels: dict[str, str] | None = None  # host -> row label (its replica group); None: the host name
 
 
 def read_journals(run_dir: Path) -> dict[str, list[dict]]:
@@ -66,22 +71,40 @@ def read_journals(run_dir: Path) -> dict[str, list[dict]]:
     return journals
 
 
-def last_steps(run_dir: Path) -> dict[str, float]:
-    """Each host's last completed step on the wall clock, from the controller's timeline.json."""
+def step_walls(run_dir: Path) -> dict[str, list[float]]:
+    """Each host's completed steps on the wall clock, from the controller's timeline.json."""
     path = run_dir / "elastic" / "timeline.json"
     try:
         timeline = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
-    last: dict[str, float] = {}
+    walls: dict[str, list[float]] = {}
     for record in timeline:
-        last[record["host"]] = max(last.get(record["host"], 0.0), float(record["wall"]))
-    return last
+        walls.setdefault(record["host"], []).append(float(record["wall"]))
+    return walls
 
 
-def spans(journals: dict[str, list[dict]], fault_origins: list[float], host_ends: dict[str, float]) -> list[Span]:
+def group_labels(replica_groups: list[dict] | None) -> dict[str, str]:
+    """host -> "h0 · group 0 (us)" from summary.json's replica_groups ({region, slots}); empty without groups."""
+    labels: dict[str, str] = {}
+    for index, group in enumerate(replica_groups or []):
+        for host in group.get("slots") or []:
+            if host is not None:
+                labels[host] = f"{host} · group {index} ({group.get('region', '?')})"
+    return labels
+
+
+def spans(journals: dict[str, list[dict]], fault_origins: list[float], host_ends: dict[str, float],
+          steps: dict[str, list[float]] | None = None) -> list[Span]:
     """Phase spans per host. A TRAINING span that a failure ended (its next line says step_failed) is
-    split at the latest fault origin inside it: the rest was spent detecting."""
+    split at the latest fault origin inside it: the rest was spent detecting. A WAITING span after
+    the host had trained, during which another host completed a step (`steps`: host -> step walls),
+    is idle: the run went on without this host."""
+    steps = steps or {}
+
+    def others_stepped(host: str, start: float, end: float) -> bool:
+        return any(start < t < end for other, walls in steps.items() if other != host for t in walls)
+
     out: list[Span] = []
     for host, lines in journals.items():
         trained = False
@@ -94,6 +117,8 @@ def spans(journals: dict[str, list[dict]], fault_origins: list[float], host_ends
                 phase = "starting"
             start = float(line["wall"])
             end = float(following["wall"]) if following else max(host_ends.get(host, start), start)
+            if line["state"] == State.WAITING.value and trained and others_stepped(host, start, end):
+                phase = "idle"
             if phase == "training" and following and following.get("event") == "step_failed":
                 origin = max((t for t in fault_origins if start <= t <= end), default=None)
                 if origin is not None:
@@ -115,8 +140,11 @@ def read_run(run_dir: Path, name: str | None = None) -> RunTimeline | None:
         summary = {}
     recoveries = [e for e in summary.get("events", []) if e.get("reason") == "failure" and e.get("origin_wall")]
     origins = [float(e["origin_wall"]) for e in recoveries]
-    return RunTimeline(name or run_dir.name, spans(journals, origins, last_steps(run_dir)), recoveries,
-                       min(float(lines[0]["wall"]) for lines in journals.values()))
+    walls = step_walls(run_dir)
+    ends = {host: max(w) for host, w in walls.items()}
+    return RunTimeline(name or run_dir.name, spans(journals, origins, ends, walls), recoveries,
+                       min(float(lines[0]["wall"]) for lines in journals.values()),
+                       group_labels(summary.get("replica_groups")) or None)
 
 
 def draw(ax, run: RunTimeline, t0: float | None = None) -> None:
@@ -137,7 +165,8 @@ def draw(ax, run: RunTimeline, t0: float | None = None) -> None:
         ax.annotate(f"{lost} lost: recovered in {event['recovery_seconds']:.1f} s"
                     if event.get("recovery_seconds") is not None else f"{lost} lost",
                     (x, len(hosts) - 0.4), fontsize=7, rotation=0, va="bottom")
-    ax.set_yticks(range(len(hosts)), hosts)
+    labels = run.labels or {}
+    ax.set_yticks(range(len(hosts)), [labels.get(h, h) for h in hosts])
     ax.set_ylim(-0.6, len(hosts) + 0.4)
     ax.set_title(run.name, fontsize=9)
     ax.grid(axis="x", alpha=0.3)

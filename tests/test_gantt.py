@@ -55,3 +55,31 @@ def test_plot_cli_draws_the_lifecycle_png_of_an_elastic_run(tmp_path):
     assert plot_main([str(tmp_path), "--out", str(tmp_path / "plots")]) == 0
     png = tmp_path / "plots" / "lifecycle.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_a_survivor_of_a_broken_group_is_idle_while_the_other_group_trains_and_rows_name_their_group(tmp_path):
+    # Replica groups (us: h0+h1, eu: h2+h3): h1 dies at 110; h0 leaves and waits, idle, while h2
+    # and h3 train on; h4 takes h1's slot at 140 and the us group rejoins.
+    tail = [("joining", 140, "world"), ("adopting", 141, "from_peer"), ("compiling", 142, "state_ready"),
+            ("training", 145, "compiled"), ("done", 150, "finished")]
+    start = [("waiting", 100, None), ("joining", 101, "world"), ("restoring", 102, "from_disk"),
+             ("compiling", 103, "state_ready"), ("training", 105, "compiled")]
+    _journal(tmp_path, "h0", start + [("leaving", 112, "step_failed"), ("waiting", 113, "left")] + tail)
+    _journal(tmp_path, "h1", start)
+    for host in ("h2", "h3"):
+        _journal(tmp_path, host, start + [("leaving", 112, "step_failed"), ("waiting", 113, "left"),
+                                          ("joining", 114, "world"), ("adopting", 115, "from_peer"),
+                                          ("compiling", 116, "state_ready"), ("training", 120, "compiled"),
+                                          ("leaving", 138, "world_change"), ("waiting", 139, "left")] + tail)
+    steps = [{"host": h, "wall": w, "generation": 1, "step": 9} for h in ("h2", "h3") for w in (125.0, 130.0)]
+    (tmp_path / "elastic" / "timeline.json").write_text(json.dumps(steps + [{"host": "h1", "wall": 109.5}]))
+    groups = [{"region": "us", "slots": ["h0", "h4"]}, {"region": "eu", "slots": ["h2", "h3"]}]
+    (tmp_path / "summary.json").write_text(json.dumps({"replica_groups": groups, "events": [
+        {"reason": "failure", "lost": ["h1"], "origin_wall": 110.0, "recovery_seconds": 10.0}]}))
+    run = gantt.read_run(tmp_path)
+    phase_at = lambda host, t: [s.phase for s in run.spans if s.host == host and s.start <= t < s.end]  # noqa: E731
+    assert phase_at("h0", 130) == ["idle"]  # h0 waited through the eu group's steps
+    assert phase_at("h2", 113.5) == ["re-forming"]  # a wait in which nobody trained is re-forming
+    assert phase_at("h2", 139.5) == ["re-forming"]
+    assert run.labels["h0"] == "h0 · group 0 (us)" and run.labels["h3"] == "h3 · group 1 (eu)"
+    assert "h1" not in run.labels  # h1's slot went to h4
