@@ -6,6 +6,8 @@ it the same for any layout and any number of groups), with restarts 0 and steps 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from conftest import REPO, read_summary, run_cli
@@ -86,3 +88,24 @@ def test_a_preempted_run_of_2_host_replicas_resumes_with_1_host_replicas_on_the_
     assert final["replica_groups"] == [[0], [0], [1], [1], [2], [2], [3], [3]]  # data=8: 2 replicas a host
     (change,) = [h for h in final["history"] if h["step"] == preempted]
     assert "replicas of 2 hosts" in change["from_text"] and "replicas of" not in change["to_text"]
+
+
+def test_the_next_world_of_the_complete_groups_is_compiled_ahead_and_loaded_from_the_cache(tmp_path, reference):
+    # Rank 0 compiles, while generation 0 trains, the worlds one group fewer: (eu, eu) and (us, us).
+    # h1's death idles the us group; generation 1 is the eu group, whose hosts load its step from
+    # the cache instead of compiling on the recovery path. Steps are slowed to 1 s until 35 so the
+    # compiles finish while the world trains. A cache of its own: no other test's world can be hit.
+    delays = [a for h in range(4) for a in ("--fault", f"delay_host:{h}@1-35:1")]
+    summary = elastic_run(tmp_path, str(REPO / "configs" / "cpu-4host.yaml"), *GROUPS_OF_2,
+                          "--set", "checkpoint.enabled=false", "--set", "runtime.precompile_next_worlds=on",
+                          "--set", f"runtime.compile_cache={tmp_path / 'cache'}",
+                          "--fault", "kill_host:1@precompiled:0", *delays)
+    assert summary["final_step"] == STEPS and summary["params_fingerprint"] == reference
+    assert summary["restarts"] == 0 and summary["steps_lost"] == 0
+    (done, *_) = [p for p in summary["precompiled"] if p["generation"] == 0]
+    assert [w["regions"] for w in done["worlds"]] == [["eu", "eu"], ["us", "us"]] and not done["stopped"]
+    for host in ("h2", "h3"):
+        journal = [json.loads(line) for line in (tmp_path / "elastic" / "lifecycle" / f"{host}.jsonl").open()]
+        compiled = [line["reason"] for line in journal if line["event"] == "compiled"]
+        assert len(compiled) == 2 and "programs compiled (not in the cache)" in compiled[0], (host, compiled)
+        assert compiled[1].endswith("2 programs from the compile cache"), (host, compiled)

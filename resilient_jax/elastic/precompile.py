@@ -39,7 +39,9 @@ class Precompiler(threading.Thread):
         self.cfg, self.generation, self.devices = cfg, generation, list(devices)
         self.verified_dataset, self.on_done = verified_dataset, on_done
         self.verified_eval_dataset = verified_eval_dataset
-        self.worlds = likely_next_worlds(regions_by_rank, min_hosts=cfg.runtime.min_hosts)
+        self.worlds = likely_next_worlds(regions_by_rank, min_hosts=cfg.runtime.min_hosts,
+                                         hosts_per_replica=cfg.parallel.hosts_per_replica,
+                                         min_replicas=cfg.runtime.min_replicas)
         self.results: list[dict] = []
         self._stopping = threading.Event()
 

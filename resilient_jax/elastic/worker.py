@@ -597,10 +597,6 @@ class Worker:
 
         if not precompile.wanted(self.cfg.runtime.precompile_next_worlds, jax.devices()[0].platform, self.cache_on):
             return
-        if world.get("groups"):
-            # The next worlds of replica groups are the complete groups after a loss; not compiled ahead yet.
-            log.info("generation %d: replica groups; the next worlds are not compiled ahead", self.generation)
-            return
         if len({world["devices_per_host"][h] for h in members}) > 1:
             log.info("generation %d: hosts with different device counts; the next worlds are not compiled ahead",
                      self.generation)
