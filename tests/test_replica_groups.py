@@ -109,3 +109,19 @@ def test_the_next_world_of_the_complete_groups_is_compiled_ahead_and_loaded_from
         compiled = [line["reason"] for line in journal if line["event"] == "compiled"]
         assert len(compiled) == 2 and "programs compiled (not in the cache)" in compiled[0], (host, compiled)
         assert compiled[1].endswith("2 programs from the compile cache"), (host, compiled)
+
+
+def test_a_straggler_is_replaced_by_a_spare_of_its_region_and_its_group_heals(tmp_path, reference):
+    # us has a spare (h4). h1 runs 4x slower from step 15: the straggler policy replaces it; h4 takes
+    # its slot in the us group, whose hosts (h0 and h4) then heal from the eu replica.
+    with_spare = "topology.regions=[{name: us, hosts: 2, spares: 1}, {name: eu, hosts: 2}]"
+    summary = elastic_run(tmp_path, str(REPO / "configs" / "cpu-4host.yaml"), *GROUPS_OF_2, "--set", with_spare,
+                          "--set", "checkpoint.enabled=false", "--fault", "slow_host:1@15:4")
+    assert summary["final_step"] == STEPS and summary["params_fingerprint"] == reference
+    assert summary["restarts"] == 0 and summary["steps_lost"] == 0
+    (event,) = summary["events"]
+    assert event["reason"] == "reslot" and event["reslotted"] == ["h1"] and event["decision"]["action"] == "replace"
+    healed = sorted(h for h, a in event["adoption"].items() if a["how"].startswith("healed"))
+    assert healed == ["h0", "h4"]
+    assert summary["replica_groups"] == [{"region": "us", "slots": ["h0", "h4"]},
+                                         {"region": "eu", "slots": ["h2", "h3"]}]
