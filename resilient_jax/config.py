@@ -66,7 +66,8 @@ class ModelConfig:
     dropout: float = 0.0
     # Rotary position embedding base.
     rope_base: float = 10000.0
-    # Compute dtype of activations; parameters and optimizer state stay float32.
+    # Compute dtype of activations; parameters and optimizer state stay float32 (but see
+    # optimizer.mu_dtype).
     dtype: Literal["float32", "bfloat16"] = "float32"
     # Rematerialisation around each block: none; block (keep only each block's input, recompute
     # the rest in the backward pass); save_dots (keep the weight-matmul outputs, recompute the
@@ -81,8 +82,9 @@ class ModelConfig:
     # layouts and another on 1 device -- so explicit is the default.
     # chunked: the explicit form's math, one block of `attention_chunk` query rows at a time, each
     # block's scores recomputed in the backward pass: [b, h, chunk, L] live instead of [b, h, L, L]
-    # (at the 300B config's widths 1 GB instead of 8 GB per buffer). Bitwise stable across layouts
-    # like explicit, but not the same bits as explicit (other matmul shapes).
+    # (at the 300B config's widths 1 GB instead of 8 GB per buffer). Not the same bits as explicit
+    # (other matmul shapes); like explicit, each shard runs whole on one device with the same
+    # shapes on every layout, but its layout stability is not measured yet (bench_attention_bits).
     attention: Literal["explicit", "dot_product", "chunked"] = "explicit"
     # Query rows per block of `attention: chunked`; data.seq_len must be a multiple of it (or
     # not above it: one block).

@@ -71,16 +71,16 @@ def read_journals(run_dir: Path) -> dict[str, list[dict]]:
     return journals
 
 
-def step_walls(run_dir: Path) -> dict[str, list[float]]:
-    """Each host's completed steps on the wall clock, from the controller's timeline.json."""
+def step_walls(run_dir: Path) -> dict[str, list[tuple[float, int]]]:
+    """Each host's completed steps as (wall clock, generation), from the controller's timeline.json."""
     path = run_dir / "elastic" / "timeline.json"
     try:
         timeline = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
-    walls: dict[str, list[float]] = {}
+    walls: dict[str, list[tuple[float, int]]] = {}
     for record in timeline:
-        walls.setdefault(record["host"], []).append(float(record["wall"]))
+        walls.setdefault(record["host"], []).append((float(record["wall"]), int(record.get("generation", 0))))
     return walls
 
 
@@ -95,15 +95,18 @@ def group_labels(replica_groups: list[dict] | None) -> dict[str, str]:
 
 
 def spans(journals: dict[str, list[dict]], fault_origins: list[float], host_ends: dict[str, float],
-          steps: dict[str, list[float]] | None = None) -> list[Span]:
+          steps: dict[str, list[tuple[float, int]]] | None = None) -> list[Span]:
     """Phase spans per host. A TRAINING span that a failure ended (its next line says step_failed) is
     split at the latest fault origin inside it: the rest was spent detecting. A WAITING span after
-    the host had trained, during which another host completed a step (`steps`: host -> step walls),
-    is idle: the run went on without this host."""
+    the host had trained, during which another host completed a step of a LATER generation than
+    this host's last (`steps`: host -> (wall, generation) of each step), is idle: the run went on
+    in a world without it. (The generation, not the clock alone, decides: a step of the old world
+    recorded late, or another node's clock running ahead, does not make a re-formation idle.)"""
     steps = steps or {}
 
     def others_stepped(host: str, start: float, end: float) -> bool:
-        return any(start < t < end for other, walls in steps.items() if other != host for t in walls)
+        own = max((g for t, g in steps.get(host, []) if t <= start), default=-1)
+        return any(start < t < end and g > own for other, walls in steps.items() if other != host for t, g in walls)
 
     out: list[Span] = []
     for host, lines in journals.items():
@@ -141,7 +144,7 @@ def read_run(run_dir: Path, name: str | None = None) -> RunTimeline | None:
     recoveries = [e for e in summary.get("events", []) if e.get("reason") == "failure" and e.get("origin_wall")]
     origins = [float(e["origin_wall"]) for e in recoveries]
     walls = step_walls(run_dir)
-    ends = {host: max(w) for host, w in walls.items()}
+    ends = {host: max(t for t, _ in w) for host, w in walls.items()}
     return RunTimeline(name or run_dir.name, spans(journals, origins, ends, walls), recoveries,
                        min(float(lines[0]["wall"]) for lines in journals.values()),
                        group_labels(summary.get("replica_groups")) or None)

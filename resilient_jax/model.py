@@ -118,14 +118,21 @@ class Attention(nnx.Module):
         live, in the forward and the backward pass. Block i's dropout key is fold_in(key, i)."""
         B, L, H, K = q.shape
         chunk = min(self.attention_chunk, L)
+        if L % chunk:
+            raise ValueError(f"model.attention_chunk ({chunk}) must divide the sequence length ({L})")
         n = L // chunk
         q_NxBxCxHxK = jnp.moveaxis(q.reshape(B, n, chunk, H, K), 1, 0)
+        # Every block reads all of k and v, so their gradients are summed over the blocks in the
+        # backward pass, in the dtype the loop closes over: float32 (exact round trip for bf16
+        # values), so that sum is not rounded to bf16 block by block.
+        k32, v32 = k.astype(jnp.float32), v.astype(jnp.float32)
 
         @jax.checkpoint
         def block(args):
             i, q_BxCxHxK = args
             block_key = None if key is None else jax.random.fold_in(key, i)
-            return self._explicit_attention(q_BxCxHxK, k, v, block_key, first_row=i * chunk)
+            return self._explicit_attention(q_BxCxHxK, k32.astype(k.dtype), v32.astype(v.dtype), block_key,
+                                            first_row=i * chunk)
 
         out_NxBxCxHxK = jax.lax.map(block, (jnp.arange(n, dtype=jnp.int32), q_NxBxCxHxK))
         return jnp.moveaxis(out_NxBxCxHxK, 0, 1).reshape(B, L, H, K)

@@ -24,8 +24,8 @@ Three sections, one JSON report on stdout (progress on stderr):
            one trip, which makes another program (gpu-8b native: 2.22 GB more temporaries from 1 to
            2 layers, 0.93 GB from 2 to 3). Not 2 and 3 either: XLA's heap packing moves the peak by
            up to ~1 GB between nearby depths (gpu-300b-46node native: +1.50 GB from 2 to 3 layers,
-           +0.56 GB from 3 to 4, then 1.03 GB a layer from 4 to 8 and from 8 to 16), and 93 times a
-           wrong slope is far off. The `data` axis only replicates, so a replica's program
+           +0.56 GB from 3 to 4, then 1.03 GB a layer from 4 to 8 and from 8 to 16 -- measured with
+           float32 AdamW moments, before optimizer.mu_dtype), and 93 times a wrong slope is far off. The `data` axis only replicates, so a replica's program
            is every replica's per-device program. Each compile runs in its own subprocess (its max
            RSS is reported) and nothing is executed.
 

@@ -72,6 +72,10 @@ def test_a_survivor_of_a_broken_group_is_idle_while_the_other_group_trains_and_r
                                           ("compiling", 116, "state_ready"), ("training", 120, "compiled"),
                                           ("leaving", 138, "world_change"), ("waiting", 139, "left")] + tail)
     steps = [{"host": h, "wall": w, "generation": 1, "step": 9} for h in ("h2", "h3") for w in (125.0, 130.0)]
+    # h0's and h2's own generation-0 steps; h3's last generation-0 step recorded late, at 113.2,
+    # inside h2's wait: a step of the old world, so h2's wait stays re-forming.
+    steps += [{"host": h, "wall": 108.0, "generation": 0, "step": 3} for h in ("h0", "h2")]
+    steps += [{"host": "h3", "wall": 113.2, "generation": 0, "step": 3}]
     (tmp_path / "elastic" / "timeline.json").write_text(json.dumps(steps + [{"host": "h1", "wall": 109.5}]))
     groups = [{"region": "us", "slots": ["h0", "h4"]}, {"region": "eu", "slots": ["h2", "h3"]}]
     (tmp_path / "summary.json").write_text(json.dumps({"replica_groups": groups, "events": [

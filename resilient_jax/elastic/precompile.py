@@ -41,7 +41,8 @@ class Precompiler(threading.Thread):
         self.verified_eval_dataset = verified_eval_dataset
         self.worlds = likely_next_worlds(regions_by_rank, min_hosts=cfg.runtime.min_hosts,
                                          hosts_per_replica=cfg.parallel.hosts_per_replica,
-                                         min_replicas=cfg.runtime.min_replicas)
+                                         min_replicas=cfg.runtime.min_replicas if cfg.parallel.hosts_per_replica > 1
+                                         else 1)
         self.results: list[dict] = []
         self._stopping = threading.Event()
 
