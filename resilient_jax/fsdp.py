@@ -248,8 +248,8 @@ class Partition:
         top_cast = {k: v for k, v in cast.items() if k != "blocks"}
         layer = (group_of(blocks, block_specs, mesh, drop_leading=True, gather_dtypes_tree=cast["blocks"]) if stacked
                  else group_of(blocks[0], block_specs[0], mesh, gather_dtypes_tree=cast["blocks"][0]))
-        return cls(top=group_of(top, top_specs, mesh, gather_dtypes_tree=top_cast), layer=layer, n_layers=model_def.cfg.n_layers, stacked=stacked,
-                   activation_rule=activation_rule)
+        return cls(top=group_of(top, top_specs, mesh, gather_dtypes_tree=top_cast), layer=layer,
+                   n_layers=model_def.cfg.n_layers, stacked=stacked, activation_rule=activation_rule)
 
     def groups(self) -> list[Group]:
         """The group of each GroupSum of `Sums.flat()`."""

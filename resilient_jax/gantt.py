@@ -94,7 +94,7 @@ def group_labels(replica_groups: list[dict] | None) -> dict[str, str]:
     return labels
 
 
-def spans(journals: dict[str, list[dict]], fault_origins: list[float], host_ends: dict[str, float],
+def spans(journals: dict[str, list[dict]], fault_origins: list[float],
           steps: dict[str, list[tuple[float, int]]] | None = None) -> list[Span]:
     """Phase spans per host. A TRAINING span that a failure ended (its next line says step_failed) is
     split at the latest fault origin inside it: the rest was spent detecting. A WAITING span after
@@ -103,6 +103,7 @@ def spans(journals: dict[str, list[dict]], fault_origins: list[float], host_ends
     in a world without it. (The generation, not the clock alone, decides: a step of the old world
     recorded late, or another node's clock running ahead, does not make a re-formation idle.)"""
     steps = steps or {}
+    host_ends = {host: max(t for t, _ in walls) for host, walls in steps.items()}  # each host's last step
 
     def others_stepped(host: str, start: float, end: float) -> bool:
         own = max((g for t, g in steps.get(host, []) if t <= start), default=-1)
@@ -143,9 +144,7 @@ def read_run(run_dir: Path, name: str | None = None) -> RunTimeline | None:
         summary = {}
     recoveries = [e for e in summary.get("events", []) if e.get("reason") == "failure" and e.get("origin_wall")]
     origins = [float(e["origin_wall"]) for e in recoveries]
-    walls = step_walls(run_dir)
-    ends = {host: max(t for t, _ in w) for host, w in walls.items()}
-    return RunTimeline(name or run_dir.name, spans(journals, origins, ends, walls), recoveries,
+    return RunTimeline(name or run_dir.name, spans(journals, origins, step_walls(run_dir)), recoveries,
                        min(float(lines[0]["wall"]) for lines in journals.values()),
                        group_labels(summary.get("replica_groups")) or None)
 
