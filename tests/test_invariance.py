@@ -73,3 +73,14 @@ def test_fingerprint_identical_across_process_counts(reference, tmp_path, proces
     summary = read_summary(run_dir)
     assert summary["processes"] == processes
     assert summary["params_fingerprint"] == reference["params_fingerprint"]
+
+
+def test_chunked_attention_keeps_one_trajectory_across_layouts(tmp_path, default_dataset):
+    # The 300B config runs `attention: chunked`: each block of query rows is its own matmul, so the
+    # invariant claim must hold for that form too (its bits differ from explicit's, not by layout).
+    chunked = ("model.attention=chunked", "model.attention_chunk=16", "train.steps=4")
+    a = _train(tmp_path / "a", 1, 1, 1, *chunked)
+    b = _train(tmp_path / "b", 2, 4, 1, *chunked)
+    explicit = _train(tmp_path / "c", 1, 1, 1, "train.steps=4")
+    assert a["params_fingerprint"] == b["params_fingerprint"]
+    assert a["params_fingerprint"] != explicit["params_fingerprint"]  # chunked really ran
