@@ -241,3 +241,20 @@ def test_a_signal_asks_every_member_to_stop_and_a_second_kills_the_workers(contr
     with pytest.raises(_KillNow) as second:
         stop(signal.SIGINT, None)
     assert killed and second.value.twice
+
+
+def test_a_client_that_vanishes_mid_request_leaves_no_traceback_and_the_run_is_served(tmp_path, capfd):
+    # A worker killed (or Ctrl-C'd) between sending its headers and its body: the controller must
+    # neither call the handler with an empty body nor print a traceback when its reply finds no one.
+    ctl = Controller(config_hash="a" * 64, expected_hosts=1, run_dir=tmp_path, token="s3cret")
+    host, port = ctl.url.removeprefix("http://").split(":")
+    try:
+        for _ in range(5):
+            with socket.create_connection((host, int(port))) as gone:
+                gone.sendall(b"POST /heartbeat HTTP/1.1\r\nAuthorization: Bearer s3cret\r\nContent-Length: 40\r\n\r\n")
+        good = ControllerClient(ctl.url, "s3cret")
+        assert good.call("/register", host="h0", region="us", devices=2, config_hash="a" * 64)["accepted"]
+    finally:
+        ctl.close()
+    captured = capfd.readouterr()
+    assert "Traceback" not in captured.err + captured.out, captured.err

@@ -17,6 +17,7 @@ import json
 import logging
 import socket
 import ssl
+import sys
 import threading
 import time
 import urllib.error
@@ -112,6 +113,8 @@ def serve(target: Any, bind: str, port: int, token: str,
             try:
                 raw = self.rfile.read(length) if length else b""
             except OSError:  # a client that went silent mid-body (REQUEST_SECONDS) or vanished
+                raw = b""
+            if len(raw) < length:  # it vanished before its whole body came (a killed worker): no one to answer
                 self.close_connection = True
                 return None
             try:
@@ -139,20 +142,37 @@ def serve(target: Any, bind: str, port: int, token: str,
             self.send_response(code)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            try:
+                self.end_headers()
+                self.wfile.write(data)
+            except OSError as e:  # the client left before its answer (killed, or timed out and retrying)
+                self.close_connection = True
+                log.debug("controller: could not answer %s: %s", self.path, e)
 
         def log_message(self, fmt: str, *args: Any) -> None:
             log.debug("controller: " + fmt, *args)
 
     server = (TlsHTTPServer((bind, port), Handler, tls) if tls is not None
-              else ThreadingHTTPServer((bind, port), Handler))
+              else QuietHTTPServer((bind, port), Handler))
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="controller-http", daemon=True).start()
     return server
 
 
-class TlsHTTPServer(ThreadingHTTPServer):
+class QuietHTTPServer(ThreadingHTTPServer):
+    """socketserver prints a traceback to stderr for any error in a connection; the controller's
+    stderr is the user's console, and a peer that reset its connection is not their concern. Any
+    other error is ours and goes to the log with its traceback."""
+
+    def handle_error(self, request, client_address) -> None:
+        error = sys.exc_info()[1]
+        if isinstance(error, OSError):
+            log.debug("controller: the connection from %s broke: %s", client_address[0], error)
+        else:
+            log.error("controller: a request from %s failed", client_address[0], exc_info=True)
+
+
+class TlsHTTPServer(QuietHTTPServer):
     """Accepts on the serving thread, handshakes on the connection's thread (not in accept, where one
     silent client would stall every other)."""
 
