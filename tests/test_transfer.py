@@ -79,3 +79,27 @@ def test_a_state_leaf_of_another_shape_is_refused_naming_the_leaf(tmp_path):
     arrays[index] = arrays[index].reshape(1)
     with pytest.raises(ValueError, match=re.escape(f"state leaf {jax.tree_util.keystr(path)} is int32[1]")):
         trainer.state_from_host(jax.tree.unflatten(treedef, arrays))
+
+
+def test_to_host_rebuilds_every_layout_of_this_hosts_devices_bit_for_bit():
+    # A survivor's copy of its state comes from its own shards: replicated over its devices (one
+    # copy taken of each distinct slice), sharded along one axis, along two, on a sub-mesh, and 0-d.
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from resilient_jax.elastic import transfer
+
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "fsdp"))
+    rng = np.random.default_rng(0)
+    values = {"w": rng.standard_normal((8, 12)).astype(np.float32), "neg0": np.array([-0.0, 2.0], np.float32),
+              "count": np.array(7, np.int32), "m": rng.standard_normal((4, 6)).astype(np.float16)}
+    specs = {"w": P("data", "fsdp"), "neg0": P(), "count": P(), "m": P(None, "data")}
+    placed = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in values.items()}
+    placed["sub"] = jax.device_put(values["w"], NamedSharding(Mesh(np.array(jax.devices()[:2]), ("fsdp",)), P("fsdp")))
+    values["sub"] = values["w"]
+    host = transfer.to_host(placed)
+    for name, want in values.items():
+        got = host[name]
+        assert isinstance(got, np.ndarray) and got.shape == want.shape and got.dtype == want.dtype, name
+        assert got.tobytes() == want.tobytes(), name  # bits, -0.0 included

@@ -12,6 +12,7 @@ while it runs (the state and its packed bytes).
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import numpy as np
@@ -19,17 +20,30 @@ import numpy as np
 def _leaf_to_host(leaf) -> np.ndarray:
     if not isinstance(leaf, jax.Array):
         return np.asarray(leaf)
+    # One copy per distinct slice: a leaf replicated over this host's devices (data > 1 within a
+    # host) has the same slice on each, and copying every one of them made the copy to host memory
+    # -- paid on the recovery path by every survivor -- grow with the local device count.
+    distinct = _distinct_shards(leaf)
     out = np.empty(leaf.shape, dtype=leaf.dtype)
-    covered = np.zeros(leaf.shape, dtype=bool)
-    for shard in leaf.addressable_shards:
+    for shard in distinct.values():
         out[shard.index] = np.asarray(shard.data)
-        covered[shard.index] = True
-    if not covered.all():
+    # A sharding's distinct slices never partly overlap, so they cover the array exactly when
+    # their sizes add up to it.
+    held = sum(math.prod(stop - start for start, stop in bounds) for bounds in distinct)
+    if held != leaf.size:
         raise RuntimeError(
             f"this process does not hold a full copy of an array of shape {leaf.shape}: a replica must live on "
             "one host (parallel.fsdp/tensor must not span hosts)"
         )
     return out
+
+
+def _distinct_shards(leaf: jax.Array) -> dict:
+    """This process's shards of `leaf`, one per distinct index (bounds -> shard)."""
+    distinct = {}
+    for shard in leaf.addressable_shards:
+        distinct.setdefault(_key(shard.index, leaf.shape), shard)
+    return distinct
 
 
 def to_host(tree):
@@ -85,11 +99,7 @@ class LocalSlices:
 def local_slices(tree):
     """This process's slices of every array (each distinct index once), in host memory."""
     def one(leaf) -> LocalSlices:
-        slices = {}
-        for shard in leaf.addressable_shards:
-            key = _key(shard.index, leaf.shape)
-            if key not in slices:
-                slices[key] = np.asarray(shard.data)
+        slices = {key: np.asarray(shard.data) for key, shard in _distinct_shards(leaf).items()}
         return LocalSlices(leaf.shape, leaf.dtype, slices)
 
     return jax.tree.map(one, tree)
