@@ -145,8 +145,16 @@ def test_a_second_run_into_a_busy_run_dir_exits_2_and_the_first_is_undisturbed(t
     first = start(run_dir, env)
     try:
         wait_for(lambda: (run_dir / "run.lock").exists(), first, "the first run took the lock")
-        second = rerun(run_dir, env)
-        first_alive = first.poll() is None
+        # Held still while the second one starts: with its program in the compile cache the first
+        # run can finish its 20 steps sooner than a second Python process imports JAX (seen on a
+        # busy 2-core machine), and a lock no longer held proves nothing. A stopped process is
+        # still the lock's live holder; it goes on, undisturbed, once continued.
+        os.kill(first.pid, signal.SIGSTOP)
+        try:
+            second = rerun(run_dir, env)
+            first_alive = first.poll() is None
+        finally:
+            os.kill(first.pid, signal.SIGCONT)
         out, err = first.communicate(timeout=300)
     finally:
         if first.poll() is None:
