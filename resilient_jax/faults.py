@@ -15,7 +15,8 @@ Spec grammar (one string per fault):
                               without it the fault never fires)
     kill_region:R@STEP        SIGKILL every host of region R at once during step STEP
     hang_host:H@STEP          SIGSTOP host H during step STEP (it stops answering, it does not exit)
-    join_host@STEP            start one more host once the run reaches step STEP
+    join_host@STEP            one more host joins once the run reaches step STEP (its worker starts with the
+                              run and registers then, so the join lands there on a slow machine too)
     delay_host:H@A-B:SECONDS  a latency spike: host H enters each of steps A..B SECONDS late
     slow_host:H@STEP[-LAST]:FACTOR
                               a persistent straggler: from STEP on (to LAST), host H's work takes FACTOR x

@@ -81,3 +81,39 @@ def test_a_kill_waiting_for_a_precompile_the_run_never_does_is_refused_before_it
                                                                         "runtime.precompile_next_worlds=on"]), [fault])
     check_faults(load_config(REPO / "configs" / "cpu-4host.yaml", [f"run.dir={tmp_path}",
                                                                     "runtime.precompile_next_worlds=on"]), [fault])
+
+
+def test_joining_hosts_take_the_next_ids_and_regions_in_turn(tmp_path):
+    from conftest import REPO
+    from resilient_jax.config import load_config
+    from resilient_jax.elastic.run import join_plan
+
+    cfg = load_config(REPO / "configs" / "cpu-4host.yaml", [f"run.dir={tmp_path}", "faults=[join_host@30, join_host@9]"])
+    # After 4 hosts and 1 spare: h5 and h6, in step order, regions taking turns (us, eu).
+    assert join_plan(cfg, first_index=5) == [("h5", "eu", 9), ("h6", "us", 30)]
+
+
+class _Statuses:
+    """A controller client whose GET /status answers from a list, one reply per call."""
+
+    def __init__(self, *replies):
+        self.replies, self.calls = list(replies), 0
+
+    def call(self, path, **kwargs):
+        assert path == "/status" and kwargs["method"] == "GET"
+        self.calls += 1
+        return self.replies.pop(0)
+
+
+def _status(step, finished=False, error=None, stopping=None):
+    return {"step": step, "finished": finished, "error": error, "stopping": stopping}
+
+
+def test_a_joining_worker_registers_once_the_run_reaches_its_step_and_not_after_it_ended():
+    from resilient_jax.elastic.worker import _run_reached
+
+    client = _Statuses(_status(0), _status(8), _status(9), _status(10))
+    assert _run_reached(client, 9, poll_seconds=0) and client.calls == 3
+    assert not _run_reached(_Statuses(_status(7), _status(7, finished=True)), 9, poll_seconds=0)
+    assert not _run_reached(_Statuses(_status(3, stopping="interrupted")), 9, poll_seconds=0)
+    assert not _run_reached(_Statuses(_status(3, error="worker h1 failed")), 9, poll_seconds=0)

@@ -37,11 +37,15 @@ class LocalLauncher:
         self._watcher = threading.Thread(target=self._watch, name="launcher-watch", daemon=True)
         self._watcher.start()
 
-    def start_host(self, host: str, region: str, spare: bool = False) -> None:
+    def start_host(self, host: str, region: str, spare: bool = False, register_at_step: int | None = None) -> None:
+        """`register_at_step`: the worker starts now and registers once the run has completed that
+        many steps (a host that becomes available then: join_host)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "resilient_jax.elastic", "worker", "--controller", self.controller_url,
                "--host", host, "--region", region, "--config-json", str(self.config_path),
                "--devices", str(self.devices_per_host)] + (["--spare"] if spare else [])
+        if register_at_step is not None:
+            cmd += ["--register-at-step", str(register_at_step)]
         env = {**os.environ, "RESILIENT_JAX_TOKEN": self.token, TLS_CA_ENV: self.tls_ca_pem}
         log_file = open(self.log_dir / f"{host}.log", "ab")
         with self._lock:

@@ -154,7 +154,7 @@ class RayLauncher:
         self._next_index = len(plan) + spares + joins
         self._known_nodes = {n.node_id for n in nodes}
         self.hosts: dict[str, _Host] = {}
-        self._pending: list[tuple[str, str, bool]] = []  # start_host calls waiting for a free node
+        self._pending: list[tuple[str, str, bool, int | None]] = []  # start_host calls waiting for a free node
         self._lock = threading.RLock()
         self._stopping = threading.Event()
         # Forwarded from the driver: this package's settings (dataset cache, ...). Platform and XLA
@@ -170,7 +170,8 @@ class RayLauncher:
 
     # -- the launcher contract ---------------------------------------------------------------------
 
-    def start_host(self, host: str, region: str, spare: bool = False) -> None:
+    def start_host(self, host: str, region: str, spare: bool = False, register_at_step: int | None = None) -> None:
+        """As LocalLauncher.start_host; a host that finds no free node starts when one joins."""
         with self._lock:
             if host in self.hosts:
                 raise ValueError(f"host {host} was already started by this launcher")
@@ -182,11 +183,11 @@ class RayLauncher:
                 usable = [n for n in nodes if node_problem(n, self.devices_per_host) is None]
                 node = pick_node(region, free, usable, self.names)
             if node is None:
-                self._pending.append((host, region, spare))
+                self._pending.append((host, region, spare, register_at_step))
                 log.warning("ray: no free node for %s (%s%s); it starts when a node joins the cluster",
                             host, region, ", spare" if spare else "")
                 return
-            self._launch(host, region, spare, node)
+            self._launch(host, region, spare, node, register_at_step)
 
     def fence(self, host: str) -> None:
         """A host declared dead must stay dead: SIGKILL its worker through the actor, else kill the
@@ -276,11 +277,13 @@ class RayLauncher:
         if host[:1] == "h" and host[1:].isdigit():
             self._next_index = max(self._next_index, int(host[1:]) + 1)
 
-    def _launch(self, host: str, region: str, spare: bool, node: Node) -> None:
+    def _launch(self, host: str, region: str, spare: bool, node: Node, register_at_step: int | None = None) -> None:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         argv = ["--controller", self.controller_url, "--host", host, "--region", region,
                 "--devices", str(self.devices_per_host)] + (["--spare"] if spare else [])
+        if register_at_step is not None:
+            argv += ["--register-at-step", str(register_at_step)]
         actor = remote_host_actor().options(
             num_cpus=0, num_gpus=self.devices_per_host if uses_gpus(node) else 0, resources={HOST_RESOURCE: 1},
             max_concurrency=4, max_restarts=0,
@@ -363,12 +366,13 @@ class RayLauncher:
             if self._stopping.is_set():
                 return
             usable = [n for n in nodes if node_problem(n, self.devices_per_host) is None]
-            for host, region, spare in list(self._pending):
+            for pending in list(self._pending):
+                host, region, spare, register_at_step = pending
                 node = pick_node(region, self._free_nodes(nodes), usable, self.names)
                 if node is not None:
-                    self._pending.remove((host, region, spare))
+                    self._pending.remove(pending)
                     self._known_nodes.add(node.node_id)
-                    self._launch(host, region, spare, node)
+                    self._launch(host, region, spare, node, register_at_step)
             for node in nodes:
                 if node.node_id not in self._known_nodes and is_worker_node(node) and \
                         device_problem(node, self.devices_per_host) is not None:

@@ -2,7 +2,7 @@
 
 `python -m resilient_jax.train --config configs/cpu-4host.yaml` lands here when the config names
 regions. The driver process hosts the controller (never a worker, never touches devices), starts
-one worker per host, starts extra hosts for `join_host@STEP`, and writes the run's one
+one worker per host (and, for `join_host@STEP`, one that registers at STEP), and writes the run's one
 summary.json: the training summary from the final rank 0 plus what only the controller knows, and
 the whole run's figures across invocations (run_history.json, kept by the controller).
 
@@ -172,7 +172,9 @@ def _drive(cfg: Config, run_dir: Path, options: dict, history: RunHistory) -> di
     _console(f"resilient_jax: controller {controller.url} | {len(plan)} hosts"
              f"{f' + {len(spares)} spares' if spares else ''} in {len(cfg.topology.regions)} regions | "
              f"config {cfg.hash[:16]} | logs {logs}")
-    stop = _StopOnSignal(controller, lambda: [launcher.fence(h) for h in list(controller.members) + [h for h, _ in plan]])
+    joiners = join_plan(cfg, first_index=len(plan) + len(spares))
+    stop = _StopOnSignal(controller, lambda: [launcher.fence(h) for h in
+                                              list(controller.members) + [h for h, *_ in plan + joiners]])
     started = time.perf_counter()
     try:
         with stop.installed():
@@ -180,9 +182,8 @@ def _drive(cfg: Config, run_dir: Path, options: dict, history: RunHistory) -> di
                 launcher.start_host(host, region)
             for host, region in spares:
                 launcher.start_host(host, region, spare=True)
-            joins = threading.Thread(target=_schedule_joins, args=(cfg, controller, launcher, len(plan) + len(spares)),
-                                     daemon=True)
-            joins.start()
+            for host, region, step in joiners:
+                launcher.start_host(host, region, register_at_step=step)
             try:
                 stop.waiting = True
                 if stop.killed is not None:  # the signal came while the hosts were starting
@@ -306,14 +307,10 @@ def last_error_line(log_path: Path, tail_bytes: int = 65536) -> str | None:
     return next((line.strip() for line in reversed(lines) if _ERROR_LINE.match(line)), None)
 
 
-def _schedule_joins(cfg: Config, controller: Controller, launcher: LocalLauncher, first_index: int) -> None:
-    """join_host@STEP: start one more host once the run has reached STEP."""
-    pending = sorted(f.step for f in faults_lib.parse_faults(cfg.faults) if f.kind == "join_host")
-    index = first_index
-    while pending and controller.summary is None and controller.error is None:
-        if controller.status()["step"] >= pending[0]:
-            pending.pop(0)
-            region = cfg.topology.regions[index % len(cfg.topology.regions)].name
-            launcher.start_host(f"h{index}", region)
-            index += 1
-        time.sleep(0.1)
+def join_plan(cfg: Config, first_index: int) -> list[tuple[str, str, int]]:
+    """join_host@STEP: (host, region, STEP) of each host that joins the run once it reaches STEP.
+    Their workers start with the run and register at their step (worker --register-at-step)."""
+    steps = sorted(f.step for f in faults_lib.parse_faults(cfg.faults) if f.kind == "join_host")
+    regions = cfg.topology.regions
+    return [(f"h{first_index + i}", regions[(first_index + i) % len(regions)].name, step)
+            for i, step in enumerate(steps)]

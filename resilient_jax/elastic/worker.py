@@ -262,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config-json", required=True)
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--spare", action="store_true", help="wait outside the world until given a slot")
+    parser.add_argument("--register-at-step", type=int, metavar="N",
+                        help="stay outside the run until it has completed N steps, then register: a host that "
+                        "becomes available then (join_host@N)")
     parser.add_argument("--tls-ca", type=Path, help="the CA file an https controller is verified against "
                         "(runtime.tls=auto: run.dir/elastic/tls/ca.pem); launched workers get it in the environment")
     args = parser.parse_args(argv)
@@ -296,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:  # ssl.SSLError is an OSError
         print(f"error: --tls-ca {args.tls_ca or '$' + CA_ENV}: not a readable PEM CA certificate ({e})", file=sys.stderr)
         return 3
+    if args.register_at_step is not None and not _run_reached(client, args.register_at_step):
+        log.info("leaving: the run ended before step %d", args.register_at_step)
+        return 0
     try:
         registered = client.call("/register", host=args.host, region=args.region, devices=args.devices,
                                  config_hash=cfg.hash, spare=args.spare)
@@ -335,6 +341,27 @@ def main(argv: list[str] | None = None) -> int:
         os._exit(2 if bad_input else 1)
     finally:
         heartbeat.stop()
+
+
+def _run_reached(client, step: int, poll_seconds: float = 0.1) -> bool:
+    """Wait until the run has completed `step` steps (True), or is over without reaching it (False).
+
+    A host started ahead of its join (the launcher starts it with the run) has imported JAX and
+    read its config by then, so it registers the moment the run reaches the step, on a fast machine
+    or a slow one: a join that waited for a new process to start could come after the last step."""
+    from resilient_jax.elastic.channel import ControllerError
+
+    while True:
+        try:
+            status = client.call("/status", method="GET", retry_seconds=60)
+        except ControllerError as e:
+            log.warning("the controller is gone before step %d: %s", step, e)
+            return False
+        if status["step"] >= step:
+            return True
+        if status["finished"] or status["error"] or status["stopping"]:
+            return False
+        time.sleep(poll_seconds)
 
 
 class Worker:
