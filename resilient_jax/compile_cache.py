@@ -139,6 +139,7 @@ def _same_key_on_every_rank() -> None:
             cache_key._hash_string(hash_obj, f"{device.device_kind}@process{device.process_index}")
 
     hash_accelerator_config.resilient_jax = True
+    hash_accelerator_config.__wrapped__ = jax_hash  # JAX's own, for tests/test_private_apis.py
     cache_key._hash_accelerator_config = hash_accelerator_config
 
 
