@@ -224,10 +224,17 @@ def _worker_running(controller_url: str, host: str) -> bool:
 def test_a_lost_node_is_absorbed_and_a_new_node_joins_the_running_world(tmp_path, cluster, reference):
     run_dir = tmp_path / "run"
     out = open(tmp_path / "cli.log", "w")
+    # The survivors enter steps 12..59 half a second late (all three alike: none is a straggler), so
+    # the run cannot end before the replacement node's raylet, actor and worker (a new Python process
+    # importing JAX) are up and registered: on a busy 2-core machine the unpaced run once finished
+    # its last 40 steps first, and the join never happened. Uniform assignment: the undelayed
+    # newcomer would otherwise draw shards from the paced hosts (a recompile this test is not about).
+    pace = ", ".join(f"delay_host:{h}@12-59:0.5" for h in (0, 2, 3))
     proc = subprocess.Popen(
         [sys.executable, "-m", "resilient_jax.train", "--config", CPU4, "--set", f"run.dir={run_dir}",
          "--set", "runtime.launcher=ray", "--set", f"runtime.ray_address={cluster.address}",
-         "--set", f"train.steps={STEPS}", "--set", "run.progress=plain"],
+         "--set", f"train.steps={STEPS}", "--set", "run.progress=plain", "--set", f"faults=[{pace}]",
+         "--set", "runtime.assignment=uniform"],
         cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
     try:
         _wait("step 10", lambda: _logged_step(run_dir) >= 10, proc)
