@@ -21,11 +21,11 @@ TINY = REPO / "configs" / "tiny.yaml"
 os.environ.setdefault("RESILIENT_JAX_CACHE", tempfile.mkdtemp(prefix="rj-test-cache-"))
 # One persistent compile cache for the whole session: every run a test starts with
 # runtime.compile_cache "auto" (the default) uses it, and so does this process (below), so each
-# distinct program (config incl. train.steps, whose lr schedule is compiled in; mesh; world size)
-# compiles once per session instead of once per run, per re-formed world and per in-process
-# Trainer. Loading a cached executable does not change the bits: the elastic runs that load theirs
-# must end on the fingerprints of the fault-free references, which run in this process on one
-# process's 8 devices -- other programs (other device assignments, hence other keys), compiled here.
+# distinct program (config incl. train.steps, whose lr schedule is compiled into the apply program;
+# mesh; world size) compiles once per session instead of once per run, per re-formed world and per
+# in-process Trainer. Loading a cached executable does not change the bits: the elastic runs load
+# theirs (programs of other device assignments, hence other keys than this process's) and must end
+# on the fingerprints of the fault-free references, compiled or loaded in this process.
 if not os.environ.get("RESILIENT_JAX_COMPILE_CACHE"):  # a CI job may point it at a kept directory
     _SESSION_COMPILE_CACHE = tempfile.mkdtemp(prefix="rj-test-compile-cache-")
     os.environ["RESILIENT_JAX_COMPILE_CACHE"] = _SESSION_COMPILE_CACHE
@@ -37,10 +37,17 @@ import jax  # noqa: E402  (after the environment is set)
 from resilient_jax import compile_cache  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
-# In-process Trainers are the bulk of the fast tests, and many share their programs (the same tiny
-# model and mesh, other steps or checkpoint settings): measured 13.2 s for a 4-step run compiling,
-# 3.1 s loading (2026-12-06).
-compile_cache.enable("auto", tempfile.gettempdir())
+# In-process Trainers are the bulk of the fast tests, and many share programs (the same tiny model
+# and mesh: the step's compute program, whatever train.steps or the checkpoint settings): a 4-step
+# run took 13.2 s compiling, 3.1 s loading; the fast tests 833 s -> 623 s (2026-12-06). If JAX moves
+# the private function the cache swaps, the session still runs (on JAX's own cache keys here) and
+# tests/test_private_apis.py names what moved.
+try:
+    compile_cache.enable("auto", tempfile.gettempdir())
+except AttributeError as e:
+    import warnings
+
+    warnings.warn(f"the test session's compile cache is off in this process: {e}")
 
 
 def pytest_sessionfinish(session, exitstatus):

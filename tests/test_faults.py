@@ -102,7 +102,10 @@ class _Statuses:
     def call(self, path, **kwargs):
         assert path == "/status" and kwargs["method"] == "GET"
         self.calls += 1
-        return self.replies.pop(0)
+        reply = self.replies.pop(0)
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
 
 
 def _status(step, finished=False, error=None, stopping=None):
@@ -117,3 +120,17 @@ def test_a_joining_worker_registers_once_the_run_reaches_its_step_and_not_after_
     assert not _run_reached(_Statuses(_status(7), _status(7, finished=True)), 9, poll_seconds=0)
     assert not _run_reached(_Statuses(_status(3, stopping="interrupted")), 9, poll_seconds=0)
     assert not _run_reached(_Statuses(_status(3, error="worker h1 failed")), 9, poll_seconds=0)
+    # Past the step but over or stopping by the first look (a slow start, a resume past it): no join.
+    assert not _run_reached(_Statuses(_status(12, finished=True)), 9, poll_seconds=0)
+    assert not _run_reached(_Statuses(_status(12, stopping="interrupted")), 9, poll_seconds=0)
+
+
+def test_a_joining_worker_tells_a_vanished_controller_from_a_refusal():
+    from resilient_jax.elastic.channel import ControllerError, ControllerUnreachable
+    from resilient_jax.elastic.worker import _run_reached
+
+    # Gone (the run is over and its controller with it): leave quietly.
+    assert not _run_reached(_Statuses(_status(3), ControllerUnreachable("unreachable")), 9, poll_seconds=0)
+    # Refused (a wrong token, say): the caller reports it and exits 3, not "the run ended".
+    with pytest.raises(ControllerError, match="bad token"):
+        _run_reached(_Statuses(ControllerError("bad token")), 9, poll_seconds=0)

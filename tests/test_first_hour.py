@@ -140,11 +140,19 @@ def test_a_second_ctrl_c_exits_at_once_and_corrupts_nothing(tmp_path, straight, 
     assert read_summary(run_dir)["params_fingerprint"] == straight["params_fingerprint"]
 
 
+def _lock_holder(run_dir) -> int | None:
+    try:
+        return json.loads((run_dir / "run.lock").read_text()).get("pid")
+    except (OSError, ValueError):
+        return None
+
+
 def test_a_second_run_into_a_busy_run_dir_exits_2_and_the_first_is_undisturbed(tmp_path, straight, env):
     run_dir = tmp_path / "run"
     first = start(run_dir, env)
     try:
-        wait_for(lambda: (run_dir / "run.lock").exists(), first, "the first run took the lock")
+        # The lock file exists before it is locked and its holder written: wait for the holder's pid.
+        wait_for(lambda: _lock_holder(run_dir) == first.pid, first, "the first run took the lock")
         # Held still while the second one starts: with its program in the compile cache the first
         # run can finish its 20 steps sooner than a second Python process imports JAX (seen on a
         # busy 2-core machine), and a lock no longer held proves nothing. A stopped process is

@@ -58,6 +58,11 @@ class ControllerError(RuntimeError):
     pass
 
 
+class ControllerUnreachable(ControllerError):
+    """No answer within the retry window: the controller is gone (its run is over) or cut off --
+    unlike a refusal, which is the controller's answer."""
+
+
 def is_loopback(bind: str) -> bool:
     if bind == "localhost":
         return True
@@ -230,5 +235,5 @@ class ControllerClient:
                     raise ControllerError(f"the controller at {self.url} is not the one this run trusts: "
                                           f"{reason.verify_message} (check the CA: --tls-ca / runtime.tls_ca)") from None
                 if time.monotonic() > deadline:
-                    raise ControllerError(f"controller at {self.url} unreachable: {e}") from None
+                    raise ControllerUnreachable(f"controller at {self.url} unreachable: {e}") from None
                 time.sleep(0.2)

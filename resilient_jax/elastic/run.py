@@ -154,10 +154,22 @@ def _drive(cfg: Config, run_dir: Path, options: dict, history: RunHistory) -> di
     token_file.write_text(token)
     logs = run_dir / "elastic" / "logs"
 
+    spares = host_plan(cfg, spares=True)
+    joiners = join_plan(cfg, first_index=len(plan) + len(spares))
+    joining = {host for host, *_ in joiners}
+
     def on_exit(host: str, code: int) -> None:
-        if code != 0 and controller.summary is None:
-            # A SIGKILL is a fault (injected or a fence), not an error the worker could have logged.
-            controller.worker_exited(host, code, None if code == -signal.SIGKILL else last_error_line(logs / f"{host}.log"))
+        if code == 0 or controller.summary is not None:
+            return
+        if host in joining and host not in controller.members:
+            # A join_host fault's worker, dead while it waited for its step: it belongs to no world,
+            # so the run goes on without it (its log says why) instead of failing as if a host of
+            # the first world could never register.
+            _console(f"joining host {host} exited with code {code} before it joined; the run goes on "
+                     f"without it (see {logs / f'{host}.log'})")
+            return
+        # A SIGKILL is a fault (injected or a fence), not an error the worker could have logged.
+        controller.worker_exited(host, code, None if code == -signal.SIGKILL else last_error_line(logs / f"{host}.log"))
 
     try:  # a launcher checks its cluster first (too few nodes, wrong devices): fail before training
         launcher = make_launcher(cfg, controller_url=controller.url, token=token,
@@ -168,13 +180,11 @@ def _drive(cfg: Config, run_dir: Path, options: dict, history: RunHistory) -> di
         controller_file.unlink(missing_ok=True)
         raise
     controller.on_dead = launcher.fence  # a host declared dead must stay dead
-    spares = host_plan(cfg, spares=True)
     _console(f"resilient_jax: controller {controller.url} | {len(plan)} hosts"
              f"{f' + {len(spares)} spares' if spares else ''} in {len(cfg.topology.regions)} regions | "
              f"config {cfg.hash[:16]} | logs {logs}")
-    joiners = join_plan(cfg, first_index=len(plan) + len(spares))
     stop = _StopOnSignal(controller, lambda: [launcher.fence(h) for h in
-                                              list(controller.members) + [h for h, *_ in plan + joiners]])
+                                              list(controller.members) + [h for h, *_ in plan + spares + joiners]])
     started = time.perf_counter()
     try:
         with stop.installed():

@@ -299,9 +299,17 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:  # ssl.SSLError is an OSError
         print(f"error: --tls-ca {args.tls_ca or '$' + CA_ENV}: not a readable PEM CA certificate ({e})", file=sys.stderr)
         return 3
-    if args.register_at_step is not None and not _run_reached(client, args.register_at_step):
-        log.info("leaving: the run ended before step %d", args.register_at_step)
-        return 0
+    if args.register_at_step is not None:
+        import resilient_jax.trainer  # noqa: F401  (seconds of imports done while waiting, not after the step)
+
+        try:
+            reached = _run_reached(client, args.register_at_step)
+        except ControllerError as e:  # a refusal (token, TLS): the join can never happen
+            print(f"error: the controller refused {args.host}: {e}", file=sys.stderr)
+            return 3
+        if not reached:
+            log.info("leaving: the run ended before step %d", args.register_at_step)
+            return 0
     try:
         registered = client.call("/register", host=args.host, region=args.region, devices=args.devices,
                                  config_hash=cfg.hash, spare=args.spare)
@@ -343,24 +351,27 @@ def main(argv: list[str] | None = None) -> int:
         heartbeat.stop()
 
 
-def _run_reached(client, step: int, poll_seconds: float = 0.1) -> bool:
-    """Wait until the run has completed `step` steps (True), or is over without reaching it (False).
+def _run_reached(client, step: int, poll_seconds: float = 0.25) -> bool:
+    """Wait until the run has completed `step` steps (True), or is over or stopping without having
+    reached it while this host waited (False); a refusal (ControllerError) is raised.
 
     A host started ahead of its join (the launcher starts it with the run) has imported JAX and
     read its config by then, so it registers the moment the run reaches the step, on a fast machine
-    or a slow one: a join that waited for a new process to start could come after the last step."""
-    from resilient_jax.elastic.channel import ControllerError
+    or a slow one: a join that waited for a new process to start could come after the last step.
+    The run's end is checked first: a run that passed the step and then finished, failed or began
+    stopping before this host's first look has no world left to join."""
+    from resilient_jax.elastic.channel import ControllerUnreachable
 
     while True:
         try:
             status = client.call("/status", method="GET", retry_seconds=60)
-        except ControllerError as e:
+        except ControllerUnreachable as e:
             log.warning("the controller is gone before step %d: %s", step, e)
+            return False
+        if status["finished"] or status["error"] or status["stopping"]:
             return False
         if status["step"] >= step:
             return True
-        if status["finished"] or status["error"] or status["stopping"]:
-            return False
         time.sleep(poll_seconds)
 
 
