@@ -134,3 +134,18 @@ def test_a_joining_worker_tells_a_vanished_controller_from_a_refusal():
     # Refused (a wrong token, say): the caller reports it and exits 3, not "the run ended".
     with pytest.raises(ControllerError, match="bad token"):
         _run_reached(_Statuses(ControllerError("bad token")), 9, poll_seconds=0)
+
+
+def test_a_joiner_that_dies_before_its_step_leaves_the_run_going():
+    from resilient_jax.elastic.run import exit_verdict
+
+    joining = {"h4"}
+    # Waiting for its step, h4 is in no world: its death is a console line, not the run's failure.
+    assert exit_verdict("h4", 1, run_over=False, joining=joining, registered=False) == "joiner_gone"
+    # Once registered it is a member like any other; a host of the first world always goes to the controller.
+    assert exit_verdict("h4", 1, run_over=False, joining=joining, registered=True) == "worker_exited"
+    assert exit_verdict("h1", 1, run_over=False, joining=joining, registered=False) == "worker_exited"
+    assert exit_verdict("h1", -9, run_over=False, joining=joining, registered=True) == "worker_exited"
+    # A clean exit, or any exit after the run is over, changes nothing.
+    assert exit_verdict("h4", 0, run_over=False, joining=joining, registered=False) == "ignore"
+    assert exit_verdict("h1", 1, run_over=True, joining=joining, registered=True) == "ignore"

@@ -159,17 +159,15 @@ def _drive(cfg: Config, run_dir: Path, options: dict, history: RunHistory) -> di
     joining = {host for host, *_ in joiners}
 
     def on_exit(host: str, code: int) -> None:
-        if code == 0 or controller.summary is not None:
-            return
-        if host in joining and host not in controller.members:
-            # A join_host fault's worker, dead while it waited for its step: it belongs to no world,
-            # so the run goes on without it (its log says why) instead of failing as if a host of
-            # the first world could never register.
+        verdict = exit_verdict(host, code, run_over=controller.summary is not None, joining=joining,
+                               registered=host in controller.members)
+        if verdict == "joiner_gone":
             _console(f"joining host {host} exited with code {code} before it joined; the run goes on "
                      f"without it (see {logs / f'{host}.log'})")
-            return
-        # A SIGKILL is a fault (injected or a fence), not an error the worker could have logged.
-        controller.worker_exited(host, code, None if code == -signal.SIGKILL else last_error_line(logs / f"{host}.log"))
+        elif verdict == "worker_exited":
+            # A SIGKILL is a fault (injected or a fence), not an error the worker could have logged.
+            controller.worker_exited(host, code,
+                                     None if code == -signal.SIGKILL else last_error_line(logs / f"{host}.log"))
 
     try:  # a launcher checks its cluster first (too few nodes, wrong devices): fail before training
         launcher = make_launcher(cfg, controller_url=controller.url, token=token,
@@ -315,6 +313,19 @@ def last_error_line(log_path: Path, tail_bytes: int = 65536) -> str | None:
     except OSError:
         return None
     return next((line.strip() for line in reversed(lines) if _ERROR_LINE.match(line)), None)
+
+
+def exit_verdict(host: str, code: int, *, run_over: bool, joining: set[str], registered: bool) -> str:
+    """What a worker process's exit means to the run: "ignore" (exit 0, or the run is over),
+    "joiner_gone" (a join_host fault's worker that died while it waited for its step: it belongs
+    to no world, so the run goes on without it rather than failing as if a host of the first
+    world could never register), or "worker_exited" (the controller decides: a member is dead, or
+    the first world can never form)."""
+    if code == 0 or run_over:
+        return "ignore"
+    if host in joining and not registered:
+        return "joiner_gone"
+    return "worker_exited"
 
 
 def join_plan(cfg: Config, first_index: int) -> list[tuple[str, str, int]]:
