@@ -331,15 +331,22 @@ class Trainer:
         Members of a new world compile at different speeds; compiling first and then meeting at a
         barrier keeps that skew out of the first collective, whose wait is bounded by a timeout.
         """
+        for program in self.lowered(state):
+            program.compile()
+
+    def lowered(self, state: state_lib.TrainState) -> list:
+        """This world's programs (compute, apply, and evaluate if any) traced and lowered, not yet
+        compiled: `precompile` compiles them."""
         batch = mesh_lib.batch_sharding(self.mesh)
         rows, seq = self.plan.padded_rows, self.cfg.data.seq_len
         tokens = jax.ShapeDtypeStruct((rows, seq + 1), np.int32, sharding=batch)
         weights = jax.ShapeDtypeStruct((rows, seq), np.float32, sharding=batch)
         grads = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state.params)
-        self.compute.lower(state.params, tokens, weights, np.int32(0)).compile()
-        self.apply.lower(state, grads, np.int32(0)).compile()
+        lowered = [self.compute.lower(state.params, tokens, weights, np.int32(0)),
+                   self.apply.lower(state, grads, np.int32(0))]
         if self.evaluate is not None:
-            self.evaluate.lower(state.params, tokens, weights, np.int32(0)).compile()
+            lowered.append(self.evaluate.lower(state.params, tokens, weights, np.int32(0)))
+        return lowered
 
     def precompile_abstract(self) -> None:
         """`precompile` from the state's shapes and shardings alone: for a world that does not exist

@@ -118,12 +118,20 @@ def test_the_world_after_a_death_loads_its_step_that_rank_0_compiled_in_the_back
     assert_absorbed(summary, reference, lost=["h1"])
     (done, *_) = [p for p in summary["precompiled"] if p["generation"] == 0]
     assert [w["regions"] for w in done["worlds"]] == [["us", "eu", "eu"], ["us", "us", "eu"]] and not done["stopped"]
-    # Generation 1 is (h0, h2, h3) = (us, eu, eu): every survivor loaded its step from the cache.
+    # Generation 0: rank 0 (h0) compiled, the others loaded its programs (leader_compiles).
+    # Generation 1 is (h0, h2, h3) = (us, eu, eu), and h0 its rank 0: it compiles unless the
+    # background compile put the step in the cache -- it loaded it, and so did the others.
+    compiled = {host: compiled_reasons(tmp_path, host) for host in ("h0", "h2", "h3")}
+    assert "programs compiled (not in the cache)" in compiled["h0"][0], compiled
     for host in ("h0", "h2", "h3"):
-        journal = [json.loads(line) for line in (tmp_path / "elastic" / "lifecycle" / f"{host}.jsonl").open()]
-        compiled = [line["reason"] for line in journal if line["event"] == "compiled"]
-        assert len(compiled) == 2 and "programs compiled (not in the cache)" in compiled[0], (host, compiled)
-        assert compiled[1].endswith("2 programs from the compile cache"), (host, compiled)
+        assert len(compiled[host]) == 2 and compiled[host][1].endswith("2 programs from the compile cache"), compiled
+    assert all(compiled[h][0].endswith("2 programs from the compile cache") for h in ("h2", "h3")), compiled
+
+
+def compiled_reasons(run_dir, host: str) -> list[str]:
+    """What each of `host`'s compiles found, in order: its lifecycle journal's `compiled` lines."""
+    journal = [json.loads(line) for line in (run_dir / "elastic" / "lifecycle" / f"{host}.jsonl").open()]
+    return [line["reason"] for line in journal if line["event"] == "compiled"]
 
 
 def test_a_hung_host_is_detected_and_removed(tmp_path, reference):

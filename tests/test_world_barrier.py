@@ -78,3 +78,24 @@ def test_a_member_that_never_comes_times_the_barrier_out(two_clients):
     _wait(two_clients[0], "compiled-2", outcome, aborted=lambda: False, timeout_seconds=0.5)
     (error,) = outcome
     assert isinstance(error, world.BarrierTimeout) and "compiled-2" in str(error) and "0.5 s" in str(error)
+
+
+def test_a_signal_ends_the_wait_for_it_and_a_verdict_or_the_timeout_ends_it_without(two_clients):
+    leader, follower = two_clients
+    outcome: list = []
+    waiter = threading.Thread(target=lambda: outcome.append(
+        world.wait_for_signal("compiled-by-rank-0-0", 30, poll_seconds=0.05, client=follower)))
+    waiter.start()
+    time.sleep(0.5)
+    assert waiter.is_alive() and not outcome  # rank 0 still compiling: the follower waits
+    world.signal("compiled-by-rank-0-0", client=leader)
+    waiter.join(10)
+    assert outcome == [True]
+    # Rank 0 died compiling: the controller's verdict ends the wait at once, not the timeout.
+    t0 = time.monotonic()
+    with pytest.raises(world.WorldAborted):
+        world.wait_for_signal("compiled-by-rank-0-1", 30, poll_seconds=0.05, client=follower,
+                              aborted=lambda: time.monotonic() - t0 > 0.3)
+    assert time.monotonic() - t0 < 5
+    # No signal and no verdict: False after the timeout (the follower then compiles itself).
+    assert world.wait_for_signal("compiled-by-rank-0-2", 0.3, poll_seconds=0.05, client=follower) is False

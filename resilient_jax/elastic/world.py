@@ -149,6 +149,40 @@ def barrier(name: str, timeout_seconds: float, *, aborted: Callable[[], bool] = 
     wait_for_all(state.client, state.num_processes, name, timeout_seconds, aborted=aborted, poll_seconds=poll_seconds)
 
 
+def signal(name: str, client=None) -> None:
+    """Publish `name` in this world's key-value store (see `wait_for_signal`)."""
+    _client(client).key_value_set(f"resilient_jax/signal/{name}", "1")
+
+
+def wait_for_signal(name: str, timeout_seconds: float, *, aborted: Callable[[], bool] = lambda: False,
+                    poll_seconds: float = 0.5, client=None) -> bool:
+    """Wait until a member `signal`s `name`: True once it has, False after `timeout_seconds`.
+    Checks `aborted()` (the controller's verdict) between slices of `poll_seconds` and raises
+    WorldAborted, as `barrier` does. `client`: this world's coordination client by default."""
+    import jax
+
+    client = _client(client)
+    deadline = time.monotonic() + timeout_seconds
+    while True:
+        if aborted():
+            raise WorldAborted(f"waiting for {name}: the controller declared a member of this world dead")
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        try:
+            client.blocking_key_value_get(f"resilient_jax/signal/{name}", max(1, int(min(poll_seconds, left) * 1000)))
+            return True
+        except jax.errors.JaxRuntimeError as e:
+            if "DEADLINE_EXCEEDED" not in str(e):
+                raise
+
+
+def _client(client):
+    from jax._src import distributed
+
+    return distributed.global_state.client if client is None else client
+
+
 def wait_for_all(client, num_processes: int, name: str, timeout_seconds: float, *,
                  aborted: Callable[[], bool], poll_seconds: float) -> None:
     """`barrier` on an explicit coordination-service client of a world of `num_processes`."""
