@@ -159,22 +159,8 @@ def wait_for_signal(name: str, timeout_seconds: float, *, aborted: Callable[[], 
     """Wait until a member `signal`s `name`: True once it has, False after `timeout_seconds`.
     Checks `aborted()` (the controller's verdict) between slices of `poll_seconds` and raises
     WorldAborted, as `barrier` does. `client`: this world's coordination client by default."""
-    import jax
-
-    client = _client(client)
-    deadline = time.monotonic() + timeout_seconds
-    while True:
-        if aborted():
-            raise WorldAborted(f"waiting for {name}: the controller declared a member of this world dead")
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return False
-        try:
-            client.blocking_key_value_get(f"resilient_jax/signal/{name}", max(1, int(min(poll_seconds, left) * 1000)))
-            return True
-        except jax.errors.JaxRuntimeError as e:
-            if "DEADLINE_EXCEEDED" not in str(e):
-                raise
+    return _wait_for_key(_client(client), f"resilient_jax/signal/{name}", f"waiting for {name}", timeout_seconds,
+                         aborted, poll_seconds)
 
 
 def _client(client):
@@ -186,21 +172,29 @@ def _client(client):
 def wait_for_all(client, num_processes: int, name: str, timeout_seconds: float, *,
                  aborted: Callable[[], bool], poll_seconds: float) -> None:
     """`barrier` on an explicit coordination-service client of a world of `num_processes`."""
-    import jax
-
     everyone = f"resilient_jax/barrier/{name}/all"
     if client.key_value_increment(f"resilient_jax/barrier/{name}/arrived", 1) == num_processes:
         client.key_value_set(everyone, "1")
+    if not _wait_for_key(client, everyone, f"barrier {name}", timeout_seconds, aborted, poll_seconds):
+        raise BarrierTimeout(f"barrier {name}: not every member arrived within {timeout_seconds:g} s")
+
+
+def _wait_for_key(client, key: str, what: str, timeout_seconds: float, aborted: Callable[[], bool],
+                  poll_seconds: float) -> bool:
+    """Block until `key` is set (True) or `timeout_seconds` pass (False), in slices of
+    `poll_seconds`, raising WorldAborted as soon as `aborted()` says so."""
+    import jax
+
     deadline = time.monotonic() + timeout_seconds
     while True:
         if aborted():
-            raise WorldAborted(f"barrier {name}: the controller declared a member of this world dead")
+            raise WorldAborted(f"{what}: the controller declared a member of this world dead")
         left = deadline - time.monotonic()
         if left <= 0:
-            raise BarrierTimeout(f"barrier {name}: not every member arrived within {timeout_seconds:g} s")
+            return False
         try:
-            client.blocking_key_value_get(everyone, max(1, int(min(poll_seconds, left) * 1000)))
-            return
+            client.blocking_key_value_get(key, max(1, int(min(poll_seconds, left) * 1000)))
+            return True
         except jax.errors.JaxRuntimeError as e:
             if "DEADLINE_EXCEEDED" not in str(e):
                 raise
