@@ -593,12 +593,26 @@ class StepLoop:
     def compile(self, state) -> float:
         """Compile this world's step before the first one runs, so compiling is reported as
         compile_seconds and never as a slow step."""
-        compiled = compile_cache.timed_compile(lambda: self.trainer.precompile(state))
+        compiled = compile_cache.timed_compile(lambda: self._compile(state))
         self.totals.compile_seconds += compiled.seconds
         if self.history is not None:
             self.history.compiled(compiled.seconds)
         self.log.event({"event": "compile", "step": self.completed, **compiled.to_event()})
         return compiled.seconds
+
+    def _compile(self, state) -> None:
+        processes = jax.process_count()
+        if processes == 1:
+            self.trainer.precompile(state)
+            return
+        # Several processes (a multi-process run outside the elastic runtime): where they share one
+        # machine, rank 0 compiles and the others load its programs (compile_cache.leader_compiles).
+        from resilient_jax.elastic import world as world_lib
+
+        rank = jax.process_index()
+        machines = world_lib.machines("run", rank, processes)
+        world_lib.compile_world(self.trainer.lowered(state), "run", rank,
+                                once=compile_cache.leader_compiles(machines, compile_cache.in_use(), processes))
 
     def step(self, state, step: int):
         cfg, totals = self.trainer.cfg, self.totals

@@ -69,12 +69,10 @@ def _dataset(tmp_path: Path) -> DataConfig:
 
 
 def test_rank_0_alone_compiles_a_world_only_where_every_member_shares_its_machine_and_cache():
-    from resilient_jax.elastic.worker import leader_compiles
-
-    assert leader_compiles("local", cache_on=True, world_size=4)  # one machine's cores, one cache dir
-    assert not leader_compiles("ray", cache_on=True, world_size=4)  # own cores each: compile in parallel
-    assert not leader_compiles("local", cache_on=False, world_size=4)  # nothing to load rank 0's program from
-    assert not leader_compiles("local", cache_on=True, world_size=1)  # nobody to wait
+    assert compile_cache.leader_compiles(1, cache_on=True, world_size=4)  # one machine's cores, one cache dir
+    assert not compile_cache.leader_compiles(2, cache_on=True, world_size=4)  # own cores each: compile in parallel
+    assert not compile_cache.leader_compiles(1, cache_on=False, world_size=4)  # nothing to load rank 0's program from
+    assert not compile_cache.leader_compiles(1, cache_on=True, world_size=1)  # nobody to wait
 
 
 def test_a_dataset_verified_once_is_only_identity_checked_later(tmp_path):

@@ -99,3 +99,14 @@ def test_a_signal_ends_the_wait_for_it_and_a_verdict_or_the_timeout_ends_it_with
     assert time.monotonic() - t0 < 5
     # No signal and no verdict: False after the timeout (the follower then compiles itself).
     assert world.wait_for_signal("compiled-by-rank-0-2", 0.3, poll_seconds=0.05, client=follower) is False
+
+
+def test_members_on_one_kernel_count_one_machine_and_another_id_counts_two(two_clients, monkeypatch):
+    counts: list = []
+    _all_at_once([lambda c=c, r=r: counts.append(world.machines("g0", r, 2, client=c)) for r, c in enumerate(two_clients)])
+    assert counts == [1, 1]
+    ids = iter(["machine-a", "machine-b"])  # what two machines' boot ids would be
+    monkeypatch.setattr(world, "machine_id", lambda: next(ids))
+    counts.clear()
+    _all_at_once([lambda c=c, r=r: counts.append(world.machines("g1", r, 2, client=c)) for r, c in enumerate(two_clients)])
+    assert counts == [2, 2]

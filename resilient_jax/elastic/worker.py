@@ -59,23 +59,6 @@ log = logging.getLogger("resilient_jax.worker")
 
 # Why a run stops early, as agreed across members (the all-gather takes the maximum).
 STOP_REASONS = (None, "interrupted", "preempted", "stop_at")
-# How long a member waits for rank 0 to compile a world's programs before compiling them itself.
-LEADER_COMPILE_WAIT_SECONDS = 600
-
-
-def leader_compiles(launcher: str, cache_on: bool, world_size: int) -> bool:
-    """Whether rank 0 alone compiles a world's programs and the other members load them from the
-    persistent compile cache once it has.
-
-    Only where every member shares one machine -- the local launcher's processes, which share its
-    cores and its cache directory: N members compiling the same program side by side cost N times
-    the CPU on the same cores (a 4-host world on 2 cores: 46 s against ~12 s for one compile), and
-    they would read the one entry rank 0 writes anyway. Hosts on machines of their own (Ray) compile
-    in parallel on their own cores, which is no slower than waiting for one of them, and their
-    cache may be a directory of their own."""
-    return launcher == "local" and cache_on and world_size > 1
-
-
 
 
 @dataclass
@@ -462,21 +445,15 @@ class Worker:
     def _compile(self, trainer, state, rank: int, world_size: int) -> None:
         """This world's programs, compiled -- or, where `leader_compiles`, loaded from the cache
         once rank 0 has compiled them (rank 0 is the process JAX writes cache entries from)."""
+        from resilient_jax import compile_cache
         from resilient_jax.elastic import world as world_lib
 
-        once = leader_compiles(self.cfg.runtime.launcher, self.cache_on, world_size)
-        programs = trainer.lowered(state)  # tracing and lowering: while rank 0 compiles, on the other cores
-        if once and rank != 0:
-            # The controller's verdict ends the wait (rank 0 died compiling); a wait that times out
-            # (rank 0 slow, or its entries not where this host looks) falls back to compiling here.
-            if not world_lib.wait_for_signal(f"compiled-by-rank-0-{self.generation}", LEADER_COMPILE_WAIT_SECONDS,
-                                             aborted=lambda: self.coordinator_port is None):
-                log.warning("generation %d: rank 0 had not compiled the step after %d s; compiling here",
-                            self.generation, LEADER_COMPILE_WAIT_SECONDS)
-        for program in programs:
-            program.compile()
-        if once and rank == 0:
-            world_lib.signal(f"compiled-by-rank-0-{self.generation}")
+        aborted = lambda: self.coordinator_port is None  # noqa: E731  (the controller's verdict)
+        name = f"generation-{self.generation}"
+        machines = world_lib.machines(name, rank, world_size, aborted=aborted)
+        world_lib.compile_world(trainer.lowered(state), name, rank,
+                                once=compile_cache.leader_compiles(machines, self.cache_on, world_size),
+                                aborted=aborted)
 
     def _wait_world(self) -> dict | None:
         while True:

@@ -17,8 +17,10 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +149,50 @@ def barrier(name: str, timeout_seconds: float, *, aborted: Callable[[], bool] = 
 
     state = distributed.global_state
     wait_for_all(state.client, state.num_processes, name, timeout_seconds, aborted=aborted, poll_seconds=poll_seconds)
+
+
+# How long a member waits for rank 0 to compile a world's programs before compiling them itself.
+LEADER_COMPILE_WAIT_SECONDS = 600
+
+
+def machine_id() -> str:
+    """This machine: the kernel's boot id (the same for every process and container on one kernel,
+    i.e. on one set of cores), else the host name."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return socket.gethostname()
+
+
+def machines(name: str, rank: int, size: int, *, aborted: Callable[[], bool] = lambda: False, client=None) -> int:
+    """How many machines the `size` members of this world run on (each publishes its `machine_id`
+    under `name` and reads the others')."""
+    client = _client(client)
+    client.key_value_set(f"resilient_jax/machine/{name}/{rank}", machine_id())
+    ids = set()
+    for other in range(size):
+        key = f"resilient_jax/machine/{name}/{other}"
+        if not _wait_for_key(client, key, f"machine of rank {other}", 300, aborted, 0.5):
+            raise BarrierTimeout(f"rank {other} did not say which machine it runs on within 300 s")
+        ids.add(client.key_value_try_get(key))
+    return len(ids)
+
+
+def compile_world(programs: list, name: str, rank: int, *, once: bool,
+                  aborted: Callable[[], bool] = lambda: False) -> None:
+    """Compile this world's lowered `programs`. With `once` (compile_cache.leader_compiles), rank 0
+    compiles and signals; the others wait for it and load its programs from the persistent cache
+    -- having traced and lowered theirs meanwhile, on the cores rank 0's compile leaves free. The
+    controller's verdict (`aborted`) ends the wait (rank 0 died compiling); a wait that times out
+    (rank 0 slow, or its entries not where this member looks) falls back to compiling here."""
+    if once and rank != 0:
+        if not wait_for_signal(f"compiled-by-rank-0/{name}", LEADER_COMPILE_WAIT_SECONDS, aborted=aborted):
+            log.warning("%s: rank 0 had not compiled the step after %d s; compiling here", name,
+                        LEADER_COMPILE_WAIT_SECONDS)
+    for program in programs:
+        program.compile()
+    if once and rank == 0:
+        signal(f"compiled-by-rank-0/{name}")
 
 
 def signal(name: str, client=None) -> None:
