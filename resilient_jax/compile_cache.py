@@ -214,21 +214,35 @@ def timed_compile(compile_fn) -> CompileRecord:
     return CompileRecord(seconds, hits1 - hits0, misses1 - misses0)
 
 
-def leader_compiles(machines: int, cache_on: bool, world_size: int) -> bool:
+def leader_compiles(placements: list[str], platform: str) -> bool:
     """Whether rank 0 alone compiles a world's programs and the other members load them from the
     persistent compile cache once it has (resilient_jax.elastic.world.compile_world).
 
-    Only where every member shares one machine (`machines` == 1: one kernel, so one set of cores
-    and one filesystem): N members compiling the same program side by side there cost N times the
-    CPU on the same cores (a 4-process world on 2 cores: 46 s, against ~12 s for one compile), and
-    JAX writes the entry from process 0 only. Members on machines of their own compile in parallel
-    on their own cores, which is no slower than waiting for one of them, and their cache may be a
-    directory of their own."""
-    return machines == 1 and cache_on and world_size > 1
+    `placements`: every member's `placement()` -- where it runs and which cache it uses -- as all
+    of them read it, so every member decides alike. Only where all are equal and name a cache: one
+    machine (one kernel, so one set of cores) and one cache directory. N members compiling the same
+    program side by side there cost N times the CPU on the same cores (a 4-process world on 2 cores:
+    46 s, against ~12 s for one compile), and JAX writes the entry from process 0 only. Members on
+    machines of their own compile in parallel on their own cores, which is no slower than waiting
+    for one of them. (Containers on one kernel whose equal paths are different directories: the
+    others find nothing and compile after rank 0 -- slower, never wrong.) CPU only: there every rank computes the same cache key (`enable`); on GPUs
+    that is not established, and a follower that missed would compile after rank 0 instead of
+    alongside it."""
+    return (platform == "cpu" and len(placements) > 1 and len(set(placements)) == 1
+            and not placements[0].endswith(" "))
 
 
-def in_use() -> bool:
-    """Whether this process's JAX reads and writes a persistent compile cache (see `enable`)."""
+def placement() -> str:
+    """Where this process runs and which cache it uses: the kernel's boot id (the same for every
+    process and container on one kernel), else the host name; then the cache directory, empty when
+    the cache is off."""
+    import socket
+
     import jax
 
-    return bool(jax.config.jax_compilation_cache_dir)
+    try:
+        machine = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        machine = socket.gethostname()
+    cache = jax.config.jax_compilation_cache_dir or ""
+    return f"{machine} {os.path.realpath(cache) if cache else ''}"

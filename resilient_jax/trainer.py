@@ -13,6 +13,7 @@ k steps (resilient_jax.evaluation), which donates nothing either.
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from dataclasses import dataclass, field
@@ -550,6 +551,10 @@ class Throughput:
                    local_devices=tuple(d for d in devices if d.process_index == jax.process_index()))
 
 
+# Names this process's compiles of multi-process worlds apart (every process compiles as often).
+_RUN_COMPILES = itertools.count()
+
+
 class StepLoop:
     """One world's training loop state: this host's loader, metrics, running totals, checkpoints.
 
@@ -601,18 +606,17 @@ class StepLoop:
         return compiled.seconds
 
     def _compile(self, state) -> None:
-        processes = jax.process_count()
-        if processes == 1:
+        processes = sorted({d.process_index for d in self.trainer.mesh.devices.flat})
+        if len(processes) == 1 or len(processes) != jax.process_count():
             self.trainer.precompile(state)
             return
-        # Several processes (a multi-process run outside the elastic runtime): where they share one
-        # machine, rank 0 compiles and the others load its programs (compile_cache.leader_compiles).
+        # A multi-process run outside the elastic runtime: on one machine, rank 0 compiles and the
+        # others load its programs (world.compile_world). No controller here: a process that dies
+        # ends the run, as it always did.
         from resilient_jax.elastic import world as world_lib
 
-        rank = jax.process_index()
-        machines = world_lib.machines("run", rank, processes)
-        world_lib.compile_world(self.trainer.lowered(state), "run", rank,
-                                once=compile_cache.leader_compiles(machines, compile_cache.in_use(), processes))
+        world_lib.compile_world(lambda: self.trainer.lowered(state), f"run-{next(_RUN_COMPILES)}",
+                                jax.process_index(), len(processes), self.trainer.mesh.devices.flat[0].platform)
 
     def step(self, state, step: int):
         cfg, totals = self.trainer.cfg, self.totals

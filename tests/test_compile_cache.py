@@ -69,10 +69,15 @@ def _dataset(tmp_path: Path) -> DataConfig:
 
 
 def test_rank_0_alone_compiles_a_world_only_where_every_member_shares_its_machine_and_cache():
-    assert compile_cache.leader_compiles(1, cache_on=True, world_size=4)  # one machine's cores, one cache dir
-    assert not compile_cache.leader_compiles(2, cache_on=True, world_size=4)  # own cores each: compile in parallel
-    assert not compile_cache.leader_compiles(1, cache_on=False, world_size=4)  # nothing to load rank 0's program from
-    assert not compile_cache.leader_compiles(1, cache_on=True, world_size=1)  # nobody to wait
+    one = ["boot-a /runs/x/compile_cache"] * 4
+    assert compile_cache.leader_compiles(one, "cpu")  # one machine's cores, one cache dir
+    assert not compile_cache.leader_compiles(one[:3] + ["boot-b /runs/x/compile_cache"], "cpu")  # own cores
+    assert not compile_cache.leader_compiles(one[:3] + ["boot-a /elsewhere"], "cpu")  # another cache
+    assert not compile_cache.leader_compiles(["boot-a "] * 4, "cpu")  # no cache: nothing to load
+    assert not compile_cache.leader_compiles(one[:1], "cpu")  # nobody to wait
+    assert not compile_cache.leader_compiles(one, "gpu")  # the same key on every rank: shown on CPU only
+    machine, cache = compile_cache.placement().split(" ", 1)
+    assert machine and cache == os.path.realpath(jax.config.jax_compilation_cache_dir)  # the session's cache
 
 
 def test_a_dataset_verified_once_is_only_identity_checked_later(tmp_path):

@@ -118,9 +118,10 @@ def test_the_world_after_a_death_loads_its_step_that_rank_0_compiled_in_the_back
     assert_absorbed(summary, reference, lost=["h1"])
     (done, *_) = [p for p in summary["precompiled"] if p["generation"] == 0]
     assert [w["regions"] for w in done["worlds"]] == [["us", "eu", "eu"], ["us", "us", "eu"]] and not done["stopped"]
-    # Generation 0: rank 0 (h0) compiled, the others loaded its programs (leader_compiles).
-    # Generation 1 is (h0, h2, h3) = (us, eu, eu), and h0 its rank 0: it compiles unless the
-    # background compile put the step in the cache -- it loaded it, and so did the others.
+    # Generation 0: rank 0 (h0) compiled, the others loaded its programs (one machine: rank 0
+    # compiles for all). Generation 1 is (h0, h2, h3) = (us, eu, eu), and h0 its rank 0: it compiles
+    # unless the background compile put the step in the cache -- it loaded it. (h2's and h3's
+    # loads alone would not show that: they load whatever rank 0 compiled.)
     compiled = {host: compiled_reasons(tmp_path, host) for host in ("h0", "h2", "h3")}
     assert "programs compiled (not in the cache)" in compiled["h0"][0], compiled
     for host in ("h0", "h2", "h3"):

@@ -103,7 +103,8 @@ def test_the_next_world_of_the_complete_groups_is_compiled_ahead_and_loaded_from
     (done, *_) = [p for p in summary["precompiled"] if p["generation"] == 0]
     assert [w["regions"] for w in done["worlds"]] == [["eu", "eu"], ["us", "us"]] and not done["stopped"]
     # Generation 0: rank 0 (h0) compiled, h2 and h3 loaded its programs. Generation 1 is (h2, h3),
-    # h2 its rank 0, which compiles unless the background compile cached the step: it loaded it.
+    # h2 its rank 0, which compiles unless the background compile cached the step: it loaded it
+    # (h3 loads whatever h2 has compiled either way).
     compiled = {host: compiled_reasons(tmp_path, host) for host in ("h0", "h2", "h3")}
     assert "programs compiled (not in the cache)" in compiled["h0"][0], compiled
     for host in ("h2", "h3"):

@@ -80,33 +80,65 @@ def test_a_member_that_never_comes_times_the_barrier_out(two_clients):
     assert isinstance(error, world.BarrierTimeout) and "compiled-2" in str(error) and "0.5 s" in str(error)
 
 
-def test_a_signal_ends_the_wait_for_it_and_a_verdict_or_the_timeout_ends_it_without(two_clients):
-    leader, follower = two_clients
-    outcome: list = []
-    waiter = threading.Thread(target=lambda: outcome.append(
-        world.wait_for_signal("compiled-by-rank-0-0", 30, poll_seconds=0.05, client=follower)))
-    waiter.start()
-    time.sleep(0.5)
-    assert waiter.is_alive() and not outcome  # rank 0 still compiling: the follower waits
-    world.signal("compiled-by-rank-0-0", client=leader)
-    waiter.join(10)
-    assert outcome == [True]
-    # Rank 0 died compiling: the controller's verdict ends the wait at once, not the timeout.
+class _Program:
+    """A lowered program that records when it was compiled, and by whom."""
+
+    def __init__(self, rank: int, log: list, seconds: float):
+        self.rank, self.log, self.seconds = rank, log, seconds
+
+    def compile(self):
+        start = time.monotonic()
+        time.sleep(self.seconds)
+        self.log.append((self.rank, start, time.monotonic()))
+
+
+def _compile_world(clients, name, placements, log, **kwargs):
+    errors: list = []
+
+    def member(rank):
+        try:
+            world.compile_world(lambda: [_Program(rank, log, 0.5 if rank == 0 else 0.0)], name, rank, 2, "cpu",
+                                placement=placements[rank], client=clients[rank], **kwargs)
+        except Exception as e:  # the test reads which error
+            errors.append((rank, e))
+
+    _all_at_once([lambda r=r: member(r) for r in range(2)])
+    return errors
+
+
+def test_on_one_machine_rank_0_compiles_first_and_the_other_compiles_after_it(two_clients):
+    log: list = []
+    assert _compile_world(two_clients, "g0", ["boot-a /cache", "boot-a /cache"], log) == []
+    (rank_0,), (rank_1,) = [[e for e in log if e[0] == r] for r in range(2)]
+    assert rank_1[1] >= rank_0[2]  # the follower's compile (a cache load) starts once rank 0's ended
+
+
+def test_on_two_machines_or_without_a_cache_every_member_compiles_at_once(two_clients):
+    for name, placements in [("g1", ["boot-a /cache", "boot-b /cache"]), ("g2", ["boot-a ", "boot-a "])]:
+        log: list = []
+        assert _compile_world(two_clients, name, placements, log) == []
+        (rank_0,), (rank_1,) = [[e for e in log if e[0] == r] for r in range(2)]
+        assert rank_1[1] < rank_0[2], name  # side by side: nobody waited for rank 0
+
+
+def test_the_verdict_ends_a_wait_for_rank_0s_compile(two_clients):
+    # Rank 0 died before it compiled (here: never publishes anything): the controller's verdict,
+    # not the timeouts, ends the follower's wait.
+    log: list = []
     t0 = time.monotonic()
+    follower = two_clients[1]
+    follower.key_value_set("resilient_jax/compile/g3/placement/0", "boot-a /cache")  # rank 0 said where it runs
     with pytest.raises(world.WorldAborted):
-        world.wait_for_signal("compiled-by-rank-0-1", 30, poll_seconds=0.05, client=follower,
-                              aborted=lambda: time.monotonic() - t0 > 0.3)
-    assert time.monotonic() - t0 < 5
-    # No signal and no verdict: False after the timeout (the follower then compiles itself).
-    assert world.wait_for_signal("compiled-by-rank-0-2", 0.3, poll_seconds=0.05, client=follower) is False
+        world.compile_world(lambda: [_Program(1, log, 0.0)], "g3", 1, 2, "cpu", placement="boot-a /cache",
+                            client=follower, aborted=lambda: time.monotonic() - t0 > 0.5)
+    assert time.monotonic() - t0 < 5 and log == []  # it compiled nothing: the world is left
 
 
-def test_members_on_one_kernel_count_one_machine_and_another_id_counts_two(two_clients, monkeypatch):
-    counts: list = []
-    _all_at_once([lambda c=c, r=r: counts.append(world.machines("g0", r, 2, client=c)) for r, c in enumerate(two_clients)])
-    assert counts == [1, 1]
-    ids = iter(["machine-a", "machine-b"])  # what two machines' boot ids would be
-    monkeypatch.setattr(world, "machine_id", lambda: next(ids))
-    counts.clear()
-    _all_at_once([lambda c=c, r=r: counts.append(world.machines("g1", r, 2, client=c)) for r, c in enumerate(two_clients)])
-    assert counts == [2, 2]
+def test_a_follower_that_waits_too_long_compiles_itself(two_clients, monkeypatch):
+    monkeypatch.setattr(world, "LEADER_COMPILE_WAIT_SECONDS", 0.3)
+    log: list = []
+    follower = two_clients[1]
+    follower.key_value_set("resilient_jax/compile/g4/placement/0", "boot-a /cache")
+    world.compile_world(lambda: [_Program(1, log, 0.0)], "g4", 1, 2, "cpu", placement="boot-a /cache",
+                        client=follower)
+    assert [e[0] for e in log] == [1]

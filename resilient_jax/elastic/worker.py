@@ -443,17 +443,14 @@ class Worker:
                     generation, n)
 
     def _compile(self, trainer, state, rank: int, world_size: int) -> None:
-        """This world's programs, compiled -- or, where `leader_compiles`, loaded from the cache
-        once rank 0 has compiled them (rank 0 is the process JAX writes cache entries from)."""
-        from resilient_jax import compile_cache
+        """This world's programs, compiled -- or, on one machine, loaded from the cache once rank 0
+        has compiled them (world.compile_world); the controller's verdict ends any wait."""
+        import jax
+
         from resilient_jax.elastic import world as world_lib
 
-        aborted = lambda: self.coordinator_port is None  # noqa: E731  (the controller's verdict)
-        name = f"generation-{self.generation}"
-        machines = world_lib.machines(name, rank, world_size, aborted=aborted)
-        world_lib.compile_world(trainer.lowered(state), name, rank,
-                                once=compile_cache.leader_compiles(machines, self.cache_on, world_size),
-                                aborted=aborted)
+        world_lib.compile_world(lambda: trainer.lowered(state), f"generation-{self.generation}", rank, world_size,
+                                jax.devices()[0].platform, aborted=lambda: self.coordinator_port is None)
 
     def _wait_world(self) -> dict | None:
         while True:

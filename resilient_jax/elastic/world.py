@@ -17,10 +17,8 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import socket
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -153,60 +151,47 @@ def barrier(name: str, timeout_seconds: float, *, aborted: Callable[[], bool] = 
 
 # How long a member waits for rank 0 to compile a world's programs before compiling them itself.
 LEADER_COMPILE_WAIT_SECONDS = 600
+# How long a member waits for the others to say where they run (they do so before lowering).
+PLACEMENT_WAIT_SECONDS = 300
 
 
-def machine_id() -> str:
-    """This machine: the kernel's boot id (the same for every process and container on one kernel,
-    i.e. on one set of cores), else the host name."""
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return socket.gethostname()
+def compile_world(lower: Callable[[], list], name: str, rank: int, size: int, platform: str, *,
+                  aborted: Callable[[], bool] = lambda: False, placement: str | None = None, client=None) -> None:
+    """Compile this world's programs (`lower()`: traced and lowered, not compiled).
 
+    Where compile_cache.leader_compiles says so for the members' placements, rank 0 compiles and
+    signals, and the others -- having traced and lowered theirs meanwhile -- wait for it and load its
+    programs from the persistent cache. Each member publishes its placement before lowering and
+    reads the others' after, so the exchange costs no wait. The controller's verdict (`aborted`)
+    ends a wait (rank 0 died compiling); a wait that times out (rank 0 slow, or its entries not
+    where this member looks) falls back to compiling here. `name`: unique in this world."""
+    from resilient_jax import compile_cache
 
-def machines(name: str, rank: int, size: int, *, aborted: Callable[[], bool] = lambda: False, client=None) -> int:
-    """How many machines the `size` members of this world run on (each publishes its `machine_id`
-    under `name` and reads the others')."""
+    if size == 1:
+        for program in lower():
+            program.compile()
+        return
     client = _client(client)
-    client.key_value_set(f"resilient_jax/machine/{name}/{rank}", machine_id())
-    ids = set()
+    prefix = f"resilient_jax/compile/{name}"
+    client.key_value_set(f"{prefix}/placement/{rank}", compile_cache.placement() if placement is None else placement)
+    programs = lower()
+    placements = []
     for other in range(size):
-        key = f"resilient_jax/machine/{name}/{other}"
-        if not _wait_for_key(client, key, f"machine of rank {other}", 300, aborted, 0.5):
-            raise BarrierTimeout(f"rank {other} did not say which machine it runs on within 300 s")
-        ids.add(client.key_value_try_get(key))
-    return len(ids)
-
-
-def compile_world(programs: list, name: str, rank: int, *, once: bool,
-                  aborted: Callable[[], bool] = lambda: False) -> None:
-    """Compile this world's lowered `programs`. With `once` (compile_cache.leader_compiles), rank 0
-    compiles and signals; the others wait for it and load its programs from the persistent cache
-    -- having traced and lowered theirs meanwhile, on the cores rank 0's compile leaves free. The
-    controller's verdict (`aborted`) ends the wait (rank 0 died compiling); a wait that times out
-    (rank 0 slow, or its entries not where this member looks) falls back to compiling here."""
+        value = _wait_for_key(client, f"{prefix}/placement/{other}", f"the placement of rank {other}",
+                              PLACEMENT_WAIT_SECONDS, aborted, 0.5)
+        if value is None:
+            raise BarrierTimeout(f"rank {other} did not say where it runs within {PLACEMENT_WAIT_SECONDS} s")
+        placements.append(value)
+    once = compile_cache.leader_compiles(placements, platform)
     if once and rank != 0:
-        if not wait_for_signal(f"compiled-by-rank-0/{name}", LEADER_COMPILE_WAIT_SECONDS, aborted=aborted):
+        if _wait_for_key(client, f"{prefix}/compiled", "rank 0's compile", LEADER_COMPILE_WAIT_SECONDS, aborted,
+                         0.5) is None:
             log.warning("%s: rank 0 had not compiled the step after %d s; compiling here", name,
                         LEADER_COMPILE_WAIT_SECONDS)
     for program in programs:
         program.compile()
-    if once and rank == 0:
-        signal(f"compiled-by-rank-0/{name}")
-
-
-def signal(name: str, client=None) -> None:
-    """Publish `name` in this world's key-value store (see `wait_for_signal`)."""
-    _client(client).key_value_set(f"resilient_jax/signal/{name}", "1")
-
-
-def wait_for_signal(name: str, timeout_seconds: float, *, aborted: Callable[[], bool] = lambda: False,
-                    poll_seconds: float = 0.5, client=None) -> bool:
-    """Wait until a member `signal`s `name`: True once it has, False after `timeout_seconds`.
-    Checks `aborted()` (the controller's verdict) between slices of `poll_seconds` and raises
-    WorldAborted, as `barrier` does. `client`: this world's coordination client by default."""
-    return _wait_for_key(_client(client), f"resilient_jax/signal/{name}", f"waiting for {name}", timeout_seconds,
-                         aborted, poll_seconds)
+    if rank == 0:
+        client.key_value_set(f"{prefix}/compiled", "1")
 
 
 def _client(client):
@@ -221,13 +206,13 @@ def wait_for_all(client, num_processes: int, name: str, timeout_seconds: float, 
     everyone = f"resilient_jax/barrier/{name}/all"
     if client.key_value_increment(f"resilient_jax/barrier/{name}/arrived", 1) == num_processes:
         client.key_value_set(everyone, "1")
-    if not _wait_for_key(client, everyone, f"barrier {name}", timeout_seconds, aborted, poll_seconds):
+    if _wait_for_key(client, everyone, f"barrier {name}", timeout_seconds, aborted, poll_seconds) is None:
         raise BarrierTimeout(f"barrier {name}: not every member arrived within {timeout_seconds:g} s")
 
 
 def _wait_for_key(client, key: str, what: str, timeout_seconds: float, aborted: Callable[[], bool],
-                  poll_seconds: float) -> bool:
-    """Block until `key` is set (True) or `timeout_seconds` pass (False), in slices of
+                  poll_seconds: float) -> str | None:
+    """`key`'s value once it is set, or None once `timeout_seconds` pass; blocks in slices of
     `poll_seconds`, raising WorldAborted as soon as `aborted()` says so."""
     import jax
 
@@ -237,10 +222,9 @@ def _wait_for_key(client, key: str, what: str, timeout_seconds: float, aborted: 
             raise WorldAborted(f"{what}: the controller declared a member of this world dead")
         left = deadline - time.monotonic()
         if left <= 0:
-            return False
+            return None
         try:
-            client.blocking_key_value_get(key, max(1, int(min(poll_seconds, left) * 1000)))
-            return True
+            return client.blocking_key_value_get(key, max(1, int(min(poll_seconds, left) * 1000)))
         except jax.errors.JaxRuntimeError as e:
             if "DEADLINE_EXCEEDED" not in str(e):
                 raise
