@@ -225,9 +225,9 @@ def leader_compiles(placements: list[str], platform: str) -> bool:
     46 s, against ~12 s for one compile), and JAX writes the entry from process 0 only. Members on
     machines of their own compile in parallel on their own cores, which is no slower than waiting
     for one of them. (Containers on one kernel whose equal paths are different directories: the
-    others find nothing and compile after rank 0 -- slower, never wrong.) CPU only: there every rank computes the same cache key (`enable`); on GPUs
-    that is not established, and a follower that missed would compile after rank 0 instead of
-    alongside it."""
+    others find nothing and compile after rank 0 -- slower, never wrong.) CPU only: there every
+    rank computes the same cache key (`enable`); on GPUs that is not established, and a follower
+    that missed would compile after rank 0 instead of alongside it."""
     return (platform == "cpu" and len(placements) > 1 and len(set(placements)) == 1
             and not placements[0].endswith(" "))
 

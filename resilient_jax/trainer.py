@@ -606,8 +606,8 @@ class StepLoop:
         return compiled.seconds
 
     def _compile(self, state) -> None:
-        processes = sorted({d.process_index for d in self.trainer.mesh.devices.flat})
-        if len(processes) == 1 or len(processes) != jax.process_count():
+        processes = len({d.process_index for d in self.trainer.mesh.devices.flat})
+        if processes == 1 or processes != jax.process_count():
             self.trainer.precompile(state)
             return
         # A multi-process run outside the elastic runtime: on one machine, rank 0 compiles and the
@@ -616,7 +616,7 @@ class StepLoop:
         from resilient_jax.elastic import world as world_lib
 
         world_lib.compile_world(lambda: self.trainer.lowered(state), f"run-{next(_RUN_COMPILES)}",
-                                jax.process_index(), len(processes), self.trainer.mesh.devices.flat[0].platform)
+                                jax.process_index(), processes, self.trainer.mesh.devices.flat[0].platform)
 
     def step(self, state, step: int):
         cfg, totals = self.trainer.cfg, self.totals
