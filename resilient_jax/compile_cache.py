@@ -194,14 +194,18 @@ class CompileRecord:
 
     def describe(self) -> str:
         if self.cache_hit:
-            return f"{self.cache_hits} programs from the compile cache"
+            return f"{_programs(self.cache_hits)} from the compile cache"
         if self.cache_misses:
-            return f"{self.cache_misses} programs compiled (not in the cache), {self.cache_hits} from the cache"
+            return f"{_programs(self.cache_misses)} compiled (not in the cache), {self.cache_hits} from the cache"
         return "no persistent compile cache"
 
     def to_event(self) -> dict:
         return {"seconds": self.seconds, "cache_hit": self.cache_hit, "cache_hits": self.cache_hits,
                 "cache_misses": self.cache_misses}
+
+
+def _programs(count: int) -> str:
+    return f"{count} program{'' if count == 1 else 's'}"
 
 
 def timed_compile(compile_fn) -> CompileRecord:

@@ -208,7 +208,11 @@ def _init(model_def: ModelDef, tx: optax.GradientTransformation, key: jax.Array)
     return TrainState(params=params, opt_state=tx.init(params))
 
 
-def init_state(model_def: ModelDef, tx: optax.GradientTransformation, mesh: Mesh, seed: int) -> TrainState:
+def init_program(model_def: ModelDef, tx: optax.GradientTransformation, mesh: Mesh, seed: int):
+    """The jitted program (no arguments) that makes the fresh state, born with its shardings."""
     shardings = state_shardings(model_def, tx, mesh)
-    init = jax.jit(lambda: _init(model_def, tx, rng.init_key(seed)), out_shardings=shardings)
-    return init()
+    return jax.jit(lambda: _init(model_def, tx, rng.init_key(seed)), out_shardings=shardings)
+
+
+def init_state(model_def: ModelDef, tx: optax.GradientTransformation, mesh: Mesh, seed: int) -> TrainState:
+    return init_program(model_def, tx, mesh, seed)()

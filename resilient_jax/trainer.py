@@ -13,9 +13,11 @@ k steps (resilient_jax.evaluation), which donates nothing either.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -296,8 +298,12 @@ class Trainer:
 
     # -- states ------------------------------------------------------------------------------------
 
-    def fresh_state(self) -> state_lib.TrainState:
-        return state_lib.init_state(self.model_def, self.tx, self.mesh, self.cfg.train.seed)
+    def fresh_state(self, compile: Callable[[Callable[[], list]], None] | None = None) -> state_lib.TrainState:
+        """The state at step 0. Its program is compiled first by `compile(lower)` (default:
+        `compile_programs`), so that the members of a world on one machine compile it once."""
+        init = state_lib.init_program(self.model_def, self.tx, self.mesh, self.cfg.train.seed)
+        (compile or functools.partial(self.compile_programs, what="init"))(lambda: [init.lower()])
+        return init()  # the program just compiled, from JAX's in-memory cache
 
     def host_state_template(self) -> state_lib.TrainState:
         """Zeros shaped like the state, in host memory (what a newcomer offers to a broadcast)."""
@@ -325,6 +331,23 @@ class Trainer:
             lambda x, sharding: jax.make_array_from_callback(x.shape, sharding, lambda index: x[index]),
             host_state, self.shardings,
         )
+
+    def compile_programs(self, lower: Callable[[], list], what: str) -> None:
+        """Compile the programs `lower()` returns (traced and lowered) for this trainer's mesh.
+
+        A multi-process run outside the elastic runtime compiles through world.compile_world: on
+        one machine rank 0 compiles and the others load its programs from the persistent cache. No
+        controller here: a process that dies ends the run, as it always did. `what` names the
+        programs; every process compiles the same ones in the same order."""
+        processes = len({d.process_index for d in self.mesh.devices.flat})
+        if processes == 1 or processes != jax.process_count():
+            for program in lower():
+                program.compile()
+            return
+        from resilient_jax.elastic import world as world_lib
+
+        world_lib.compile_world(lower, f"{what}-{next(_RUN_COMPILES)}", jax.process_index(), processes,
+                                self.mesh.devices.flat[0].platform)
 
     def precompile(self, state: state_lib.TrainState) -> None:
         """Compile compute and apply for this world without running them (no collective runs).
@@ -598,25 +621,13 @@ class StepLoop:
     def compile(self, state) -> float:
         """Compile this world's step before the first one runs, so compiling is reported as
         compile_seconds and never as a slow step."""
-        compiled = compile_cache.timed_compile(lambda: self._compile(state))
+        compiled = compile_cache.timed_compile(
+            lambda: self.trainer.compile_programs(lambda: self.trainer.lowered(state), "run"))
         self.totals.compile_seconds += compiled.seconds
         if self.history is not None:
             self.history.compiled(compiled.seconds)
         self.log.event({"event": "compile", "step": self.completed, **compiled.to_event()})
         return compiled.seconds
-
-    def _compile(self, state) -> None:
-        processes = len({d.process_index for d in self.trainer.mesh.devices.flat})
-        if processes == 1 or processes != jax.process_count():
-            self.trainer.precompile(state)
-            return
-        # A multi-process run outside the elastic runtime: on one machine, rank 0 compiles and the
-        # others load its programs (world.compile_world). No controller here: a process that dies
-        # ends the run, as it always did.
-        from resilient_jax.elastic import world as world_lib
-
-        world_lib.compile_world(lambda: self.trainer.lowered(state), f"run-{next(_RUN_COMPILES)}",
-                                jax.process_index(), processes, self.trainer.mesh.devices.flat[0].platform)
 
     def step(self, state, step: int):
         cfg, totals = self.trainer.cfg, self.totals

@@ -13,11 +13,13 @@ import jax
 import pytest
 
 from resilient_jax import compile_cache
+from resilient_jax import state as state_lib
 from resilient_jax.config import DataConfig, load_config
 from resilient_jax.data import DatasetError, prepare_dataset
-from resilient_jax.trainer import resolve_dataset
+from resilient_jax.fingerprinting import params_fingerprint
+from resilient_jax.trainer import Trainer, resolve_dataset
 
-from conftest import REPO, TINY
+from conftest import REPO, TINY, tiny_config
 
 
 def test_setting_names_the_directory(tmp_path, monkeypatch):
@@ -58,6 +60,26 @@ def test_the_counter_tells_hits_from_compiles():
     assert compile_cache.CompileRecord(0.1, 2, 0).cache_hit
     assert not compile_cache.CompileRecord(0.1, 1, 1).cache_hit
     assert not compile_cache.CompileRecord(0.1, 0, 0).cache_hit  # nothing looked in a cache
+
+
+def test_a_fresh_state_is_compiled_once_by_the_compile_it_is_given_and_keeps_its_bits(tmp_path, default_dataset):
+    # The elastic worker hands fresh_state its world's compile (rank 0 compiles, the others load):
+    # the init program must reach it, be compiled there alone -- running it compiles nothing more --
+    # and make the state init_state makes.
+    trainer = Trainer(tiny_config(tmp_path / "run"), devices=jax.devices()[:8])
+    inside = []
+
+    def compile(lower):
+        (program,) = lower()
+        inside.append(compile_cache.timed_compile(program.compile))
+
+    whole = compile_cache.timed_compile(lambda: trainer.fresh_state(compile=compile))
+    assert len(inside) == 1 and inside[0].cache_hits + inside[0].cache_misses == 1
+    assert (whole.cache_hits, whole.cache_misses) == (inside[0].cache_hits, inside[0].cache_misses)
+    state = trainer.fresh_state(compile=compile)
+    direct = state_lib.init_state(trainer.model_def, trainer.tx, trainer.mesh, trainer.cfg.train.seed)
+    assert params_fingerprint(state.params) == params_fingerprint(direct.params)
+    assert compile_cache.CompileRecord(0.1, 1, 0).describe() == "1 program from the compile cache"
 
 
 def _dataset(tmp_path: Path) -> DataConfig:

@@ -127,12 +127,17 @@ def test_the_world_after_a_death_loads_its_step_that_rank_0_compiled_in_the_back
     for host in ("h0", "h2", "h3"):
         assert len(compiled[host]) == 2 and compiled[host][1].endswith("2 programs from the compile cache"), compiled
     assert all(compiled[h][0].endswith("2 programs from the compile cache") for h in ("h2", "h3")), compiled
+    # The fresh state's program too: h0 compiled it, the others (h1 as well) loaded it.
+    ready = {host: compiled_reasons(tmp_path, host, "state_ready")[0] for host in ("h0", "h1", "h2", "h3")}
+    assert ready["h0"] == "step 0, a fresh state (1 program compiled (not in the cache), 0 from the cache)", ready
+    assert all(ready[h] == "step 0, a fresh state (1 program from the compile cache)" for h in ("h1", "h2", "h3")), ready
 
 
-def compiled_reasons(run_dir, host: str) -> list[str]:
-    """What each of `host`'s compiles found, in order: its lifecycle journal's `compiled` lines."""
+def compiled_reasons(run_dir, host: str, event: str = "compiled") -> list[str]:
+    """What each of `host`'s compiles found, in order: its lifecycle journal's `compiled` lines (or
+    `state_ready` lines, which say what making a fresh state compiled)."""
     journal = [json.loads(line) for line in (run_dir / "elastic" / "lifecycle" / f"{host}.jsonl").open()]
-    return [line["reason"] for line in journal if line["event"] == "compiled"]
+    return [line["reason"] for line in journal if line["event"] == event]
 
 
 def test_a_hung_host_is_detected_and_removed(tmp_path, reference):

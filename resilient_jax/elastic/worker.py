@@ -53,6 +53,7 @@ from pathlib import Path
 
 import numpy as np
 
+from resilient_jax import compile_cache
 from resilient_jax.elastic.lifecycle import Event, Lifecycle, State, lifecycle_journal
 
 log = logging.getLogger("resilient_jax.worker")
@@ -283,7 +284,6 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 3
-    from resilient_jax import compile_cache
 
     # Before the first compile: later worlds of a size seen before load their step from disk.
     cache = compile_cache.enable(cfg.runtime.compile_cache, cfg.run.dir)
@@ -442,15 +442,16 @@ class Worker:
         log.warning("a member of generation %d is dead: aborted this host's collectives (%d connections)",
                     generation, n)
 
-    def _compile(self, trainer, state, rank: int, world_size: int) -> None:
-        """This world's programs, compiled -- or, on one machine, loaded from the cache once rank 0
-        has compiled them (world.compile_world); the controller's verdict ends any wait."""
+    def _compile(self, lower, what: str, rank: int, world_size: int) -> compile_cache.CompileRecord:
+        """This world's programs `lower()`, compiled -- or, on one machine, loaded from the cache once
+        rank 0 has compiled them (world.compile_world); the controller's verdict ends any wait."""
         import jax
 
         from resilient_jax.elastic import world as world_lib
 
-        world_lib.compile_world(lambda: trainer.lowered(state), f"generation-{self.generation}", rank, world_size,
-                                jax.devices()[0].platform, aborted=lambda: self.coordinator_port is None)
+        return compile_cache.timed_compile(lambda: world_lib.compile_world(
+            lower, f"{what}-{self.generation}", rank, world_size, jax.devices()[0].platform,
+            aborted=lambda: self.coordinator_port is None))
 
     def _wait_world(self) -> dict | None:
         while True:
@@ -470,7 +471,6 @@ class Worker:
         down before returning."""
         import jax
 
-        from resilient_jax import compile_cache
         from resilient_jax.elastic import world as world_lib
         from resilient_jax.trainer import StepLoop, Trainer
 
@@ -518,8 +518,11 @@ class Worker:
             if world["source"] is None:
                 # A new run, or one resuming from the persistent checkpoint in run.dir.
                 resumed = trainer.restore(ckpt)
-                state = resumed.state if resumed else trainer.fresh_state()
+                made = []
+                state = resumed.state if resumed else trainer.fresh_state(
+                    compile=lambda lower: made.append(self._compile(lower, "init", rank, len(members))))
                 start, position = (resumed.step, resumed.position) if resumed else (0, None)
+                ready = f"step {start}" + (f", a fresh state ({made[0].describe()})" if made else "")
                 if resumed and rank == 0:
                     self._announce_resume(trainer, resumed)
             else:
@@ -528,8 +531,9 @@ class Worker:
                 state = self._adopt(trainer, world)
                 start = world["resume_step"]
                 position = _position_from_dict(world["data_position"])
-            self.life.fire(Event.STATE_READY, f"step {start}")
-            compiled = compile_cache.timed_compile(lambda: self._compile(trainer, state, rank, len(members)))
+                ready = f"step {start}"
+            self.life.fire(Event.STATE_READY, ready)
+            compiled = self._compile(lambda: trainer.lowered(state), "generation", rank, len(members))
             self.totals.compile_seconds += compiled.seconds
             log.info("generation %d: compiled the step in %.2f s (%s); gradient sum %s", self.generation,
                      compiled.seconds, compiled.describe(), trainer.reduction_order())
