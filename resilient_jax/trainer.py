@@ -50,6 +50,11 @@ from resilient_jax.run_history import DONE, RunHistory
 MAX_QUARANTINES_PER_STEP = 4
 
 
+# Names the compiles of a multi-process run apart (Trainer.compile_programs: the fresh state's and
+# the step's share it); every process compiles the same programs in the same order, so the names agree.
+_RUN_COMPILES = itertools.count()
+
+
 class NonFiniteStepError(RuntimeError):
     """Gradients stayed non-finite after quarantining the data shards behind them."""
 
@@ -298,12 +303,14 @@ class Trainer:
 
     # -- states ------------------------------------------------------------------------------------
 
-    def fresh_state(self, compile: Callable[[Callable[[], list]], None] | None = None) -> state_lib.TrainState:
-        """The state at step 0. Its program is compiled first by `compile(lower)` (default:
+    def fresh_state(self, compiler: Callable[[Callable[[], list]], Any] | None = None) -> state_lib.TrainState:
+        """The state at step 0. Its program is compiled first by `compiler(lower)` (default:
         `compile_programs`), so that the members of a world on one machine compile it once."""
         init = state_lib.init_program(self.model_def, self.tx, self.mesh, self.cfg.train.seed)
-        (compile or functools.partial(self.compile_programs, what="init"))(lambda: [init.lower()])
-        return init()  # the program just compiled, from JAX's in-memory cache
+        (compiler or functools.partial(self.compile_programs, what="init"))(lambda: [init.lower()])
+        # The program just compiled, from JAX's in-memory cache: the call and `lower()` share one
+        # lowering (with jax_enable_pgle, which this project never sets, the call would compile again).
+        return init()
 
     def host_state_template(self) -> state_lib.TrainState:
         """Zeros shaped like the state, in host memory (what a newcomer offers to a broadcast)."""
@@ -416,6 +423,8 @@ class Trainer:
         start = resumed.step if resumed else 0
         try:
             history = RunHistory.load(self.run_dir, enabled=self.is_writer)
+            # With several processes, making it waits on the others (compile_programs).
+            state = resumed.state if resumed else self.fresh_state()
         except BaseException:
             ckpt.close()
             raise
@@ -433,9 +442,6 @@ class Trainer:
                 log.event(event)
             for warning in resumed.decision.warnings:
                 log.console(f"warning: {warning}")
-            state = resumed.state
-        else:
-            state = self.fresh_state()
         loop = StepLoop(self, log, RunTotals(), ckpt, start_step=start,
                         position=resumed.position if resumed else None, history=history)
         end = cfg.train.steps if self.stop_at is None else min(self.stop_at, cfg.train.steps)
@@ -572,10 +578,6 @@ class Throughput:
                    peak_per_device=flops_lib.peak_flops(kind, cfg.model.dtype, cfg.run.peak_flops),
                    devices=len(devices), device_kind=kind,
                    local_devices=tuple(d for d in devices if d.process_index == jax.process_index()))
-
-
-# Names this process's compiles of multi-process worlds apart (every process compiles as often).
-_RUN_COMPILES = itertools.count()
 
 
 class StepLoop:

@@ -12,7 +12,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from resilient_jax import compile_cache
+from resilient_jax import compile_cache, rng
 from resilient_jax import state as state_lib
 from resilient_jax.config import DataConfig, load_config
 from resilient_jax.data import DatasetError, prepare_dataset
@@ -60,6 +60,8 @@ def test_the_counter_tells_hits_from_compiles():
     assert compile_cache.CompileRecord(0.1, 2, 0).cache_hit
     assert not compile_cache.CompileRecord(0.1, 1, 1).cache_hit
     assert not compile_cache.CompileRecord(0.1, 0, 0).cache_hit  # nothing looked in a cache
+    assert compile_cache.CompileRecord(0.1, 1, 0).describe() == "1 program from the compile cache"
+    assert compile_cache.CompileRecord(0.1, 1, 2).describe() == "2 programs compiled (not in the cache), 1 from the cache"
 
 
 def test_a_fresh_state_is_compiled_once_by_the_compile_it_is_given_and_keeps_its_bits(tmp_path, default_dataset):
@@ -73,13 +75,13 @@ def test_a_fresh_state_is_compiled_once_by_the_compile_it_is_given_and_keeps_its
         (program,) = lower()
         inside.append(compile_cache.timed_compile(program.compile))
 
-    whole = compile_cache.timed_compile(lambda: trainer.fresh_state(compile=compile))
+    made = []
+    whole = compile_cache.timed_compile(lambda: made.append(trainer.fresh_state(compiler=compile)))
     assert len(inside) == 1 and inside[0].cache_hits + inside[0].cache_misses == 1
     assert (whole.cache_hits, whole.cache_misses) == (inside[0].cache_hits, inside[0].cache_misses)
-    state = trainer.fresh_state(compile=compile)
-    direct = state_lib.init_state(trainer.model_def, trainer.tx, trainer.mesh, trainer.cfg.train.seed)
-    assert params_fingerprint(state.params) == params_fingerprint(direct.params)
-    assert compile_cache.CompileRecord(0.1, 1, 0).describe() == "1 program from the compile cache"
+    # The bits of another program: the same init, unsharded, on one device.
+    unsharded = jax.jit(lambda: state_lib._init(trainer.model_def, trainer.tx, rng.init_key(trainer.cfg.train.seed)))()
+    assert params_fingerprint(made[0]) == params_fingerprint(unsharded)
 
 
 def _dataset(tmp_path: Path) -> DataConfig:

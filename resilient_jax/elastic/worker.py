@@ -520,7 +520,7 @@ class Worker:
                 resumed = trainer.restore(ckpt)
                 made = []
                 state = resumed.state if resumed else trainer.fresh_state(
-                    compile=lambda lower: made.append(self._compile(lower, "init", rank, len(members))))
+                    compiler=lambda lower: made.append(self._compile(lower, "init", rank, len(members))))
                 start, position = (resumed.step, resumed.position) if resumed else (0, None)
                 ready = f"step {start}" + (f", a fresh state ({made[0].describe()})" if made else "")
                 if resumed and rank == 0:
@@ -533,7 +533,7 @@ class Worker:
                 position = _position_from_dict(world["data_position"])
                 ready = f"step {start}"
             self.life.fire(Event.STATE_READY, ready)
-            compiled = self._compile(lambda: trainer.lowered(state), "generation", rank, len(members))
+            compiled = self._compile(lambda: trainer.lowered(state), "step", rank, len(members))
             self.totals.compile_seconds += compiled.seconds
             log.info("generation %d: compiled the step in %.2f s (%s); gradient sum %s", self.generation,
                      compiled.seconds, compiled.describe(), trainer.reduction_order())

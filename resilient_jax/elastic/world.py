@@ -186,7 +186,7 @@ def compile_world(lower: Callable[[], list], name: str, rank: int, size: int, pl
     if once and rank != 0:
         if _wait_for_key(client, f"{prefix}/compiled", "rank 0's compile", LEADER_COMPILE_WAIT_SECONDS, aborted,
                          0.5) is None:
-            log.warning("%s: rank 0 had not compiled the step after %d s; compiling here", name,
+            log.warning("%s: rank 0 had not compiled its programs after %d s; compiling here", name,
                         LEADER_COMPILE_WAIT_SECONDS)
     for program in programs:
         program.compile()
