@@ -79,9 +79,11 @@ def test_commit_manifest_lists_every_file_of_the_step(saved):
     files = commit.read(step_dir)
     on_disk = {p.relative_to(step_dir).as_posix() for p in step_dir.rglob("*") if p.is_file()}
     assert set(files) == on_disk - {"commit/process_0.json"}
-    for must in ("optimizer/_METADATA", "optimizer/_sharding", "weights/manifest.ocdbt", "_CHECKPOINT_METADATA",
-                 "manifest/manifest.json", "rng/rng.json"):
+    for must in ("optimizer/_METADATA", "optimizer/array_metadatas/process_0", "weights/manifest.ocdbt",
+                 "_CHECKPOINT_METADATA", "manifest/manifest.json", "rng/rng.json"):
         assert must in files, must
+    # Not written: only a restore without target shardings reads it, and ours pass them.
+    assert not any(rel.endswith("/_sharding") for rel in files)
     assert any(rel.startswith("weights/ocdbt.process_0/d/") for rel in files)
     assert reader.verify(step_dir, deep=True) == []
 

@@ -7,8 +7,8 @@ orbax has committed, each process hashes the files IT wrote and records them in
 `<step>/commit/process_<i>.json` (written to a temporary name, fsynced, renamed):
 
     process i     files under `ocdbt.process_<i>/` and `array_metadatas/process_<i>`
-    process 0     also every other file (orbax metadata, `_sharding`, the merged `manifest.ocdbt`,
-                  `d/`, the JSON fields, orbax's markers)
+    process 0     also every other file (orbax metadata, the merged `manifest.ocdbt`, `d/`, the
+                  JSON fields, orbax's markers; `_sharding` in checkpoints written before it was dropped)
 
 A step is COMMITTED when `commit/process_0.json` and one file per process it names exist; only
 such steps are listed for resume. A process killed before writing its commit file leaves a step
