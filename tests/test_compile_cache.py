@@ -67,7 +67,7 @@ def test_the_counter_tells_hits_from_compiles():
 def test_a_fresh_state_is_compiled_once_by_the_compile_it_is_given_and_keeps_its_bits(tmp_path, default_dataset):
     # The elastic worker hands fresh_state its world's compile (rank 0 compiles, the others load):
     # the init program must reach it, be compiled there alone -- running it compiles nothing more --
-    # and make the state init_state makes.
+    # and make the state the same init makes unsharded.
     trainer = Trainer(tiny_config(tmp_path / "run"), devices=jax.devices()[:8])
     inside = []
 
