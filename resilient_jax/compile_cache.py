@@ -218,6 +218,28 @@ def timed_compile(compile_fn) -> CompileRecord:
     return CompileRecord(seconds, hits1 - hits0, misses1 - misses0)
 
 
+def compile_all(programs: list) -> None:
+    """Compile `programs` (traced and lowered: jax.stages.Lowered) side by side, one thread each.
+
+    Why: XLA compiles one program on about 1.5 cores, so a world's compute and apply compiled one
+    after the other leave cores idle. Side by side, tiny's compute and apply on 6 devices took
+    8.5 s instead of 10.8 s on 2 cores (CPU time 14.8 s vs 16.4 s). Each program compiles exactly
+    as it would alone, into the same executable: compiles share no state but JAX's caches, which
+    take concurrent compiles (CacheCounter counts under a lock). A failed compile raises here,
+    once every compile has returned."""
+    programs = list(programs)
+    if len(programs) <= 1:
+        for program in programs:
+            program.compile()
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(programs), thread_name_prefix="compile") as pool:
+        futures = [pool.submit(program.compile) for program in programs]
+    for future in futures:
+        future.result()
+
+
 def leader_compiles(placements: list[str], platform: str) -> bool:
     """Whether rank 0 alone compiles a world's programs and the other members load them from the
     persistent compile cache once it has (resilient_jax.elastic.world.compile_world).

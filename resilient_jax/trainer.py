@@ -348,8 +348,7 @@ class Trainer:
         programs; every process compiles the same ones in the same order."""
         processes = len({d.process_index for d in self.mesh.devices.flat})
         if processes == 1 or processes != jax.process_count():
-            for program in lower():
-                program.compile()
+            compile_cache.compile_all(lower())
             return
         from resilient_jax.elastic import world as world_lib
 
@@ -362,8 +361,7 @@ class Trainer:
         Members of a new world compile at different speeds; compiling first and then meeting at a
         barrier keeps that skew out of the first collective, whose wait is bounded by a timeout.
         """
-        for program in self.lowered(state):
-            program.compile()
+        compile_cache.compile_all(self.lowered(state))
 
     def lowered(self, state: state_lib.TrainState) -> list:
         """This world's programs (compute, apply, and evaluate if any) traced and lowered, not yet

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import jax
@@ -90,6 +91,35 @@ def _dataset(tmp_path: Path) -> DataConfig:
     (src / "a.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
     prepare_dataset(src, tmp_path / "ds", shards=3, seq_len=16)
     return DataConfig(dataset=str(tmp_path / "ds"), src=str(src), shards=3, seq_len=16)
+
+
+def test_a_worlds_programs_compile_side_by_side_and_a_failed_compile_is_raised():
+    # Two compiles that each wait for the other: only side by side do both get past the barrier
+    # (one after the other, the first would wait out the timeout and break it).
+    barrier = threading.Barrier(2, timeout=10)
+    done = []
+
+    class Program:
+        def __init__(self, name, fail=False):
+            self.name, self.fail = name, fail
+
+        def compile(self):
+            barrier.wait()
+            if self.fail:
+                raise ValueError(f"{self.name} does not compile")
+            done.append(self.name)
+
+    compile_cache.compile_all([Program("compute"), Program("apply")])
+    assert sorted(done) == ["apply", "compute"]
+    done.clear()
+    with pytest.raises(ValueError, match="apply does not compile"):
+        compile_cache.compile_all([Program("compute"), Program("apply", fail=True)])
+    assert done == ["compute"]  # the other compile still finished before the error was raised
+    # Real programs: compiled side by side, each one is the program its own jit runs.
+    f, g = jax.jit(lambda x: x * 2 + 1), jax.jit(lambda x: x.sum())
+    x = jax.numpy.arange(8.0)
+    compile_cache.compile_all([f.lower(x), g.lower(x)])
+    assert f(x).tolist() == [2 * i + 1 for i in range(8)] and float(g(x)) == 28.0
 
 
 def test_rank_0_alone_compiles_a_world_only_where_every_member_shares_its_machine_and_cache():

@@ -168,8 +168,7 @@ def compile_world(lower: Callable[[], list], name: str, rank: int, size: int, pl
     from resilient_jax import compile_cache
 
     if size == 1:
-        for program in lower():
-            program.compile()
+        compile_cache.compile_all(lower())
         return
     client = _client(client)
     prefix = f"resilient_jax/compile/{name}"
@@ -188,8 +187,7 @@ def compile_world(lower: Callable[[], list], name: str, rank: int, size: int, pl
                          0.5) is None:
             log.warning("%s: rank 0 had not compiled its programs after %d s; compiling here", name,
                         LEADER_COMPILE_WAIT_SECONDS)
-    for program in programs:
-        program.compile()
+    compile_cache.compile_all(programs)
     if rank == 0:
         client.key_value_set(f"{prefix}/compiled", "1")
 
