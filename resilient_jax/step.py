@@ -21,9 +21,10 @@ the sum over shards is the same integer whoever computed which shard, so the lay
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +48,9 @@ class GradResult:
     shard_finite: jax.Array  # [V] bool: loss and every gradient element of the shard are finite
     row_finite: jax.Array  # [V * b] bool: each sample's loss is finite (names the poisoned rows)
     passes: jax.Array  # int32: 1, or 2 when the exact reduction had to requantise (see reduce.py)
+    # bool: no sum of the shards quantised so can have overflowed (always true in `native`). A
+    # first pass that is not `fits` is thrown away: Compute.second_pass recomputes the step.
+    fits: jax.Array
 
 
 @struct.dataclass
@@ -212,15 +216,16 @@ def make_compute(
     def no_stats():
         return jnp.zeros(C, jnp.float32), jnp.zeros(C, jnp.float32), jnp.zeros(C, bool), jnp.zeros((C, b), bool)
 
-    def per_device(params_local, tokens, weights, step, layout):
+    def per_device(params_local, tokens, weights, step, layout, requantise: bool):
         first, count, trip = grid.my_shards(layout)
         if mode == "native":
             sums, stats = shard_loop(params_local, step, tokens, weights, first, count, trip, partition.init(reducer))
             grads = partition.params_from(collectives.tree_data_sum([gs.accs for gs in sums.flat()], data, regions))
-            passes = jnp.int32(1)
+            passes, fits = jnp.int32(1), jnp.bool_(True)
         else:
             with jax.enable_x64(True):
-                grads, stats, passes = exact_grads(params_local, step, tokens, weights, first, count, trip)
+                grads, stats, passes, fits = exact_grads(params_local, step, tokens, weights, first, count, trip,
+                                                         requantise)
         loss_V, weight_V, finite_V, row_finite = _gather_stats(_ShardStats(*stats), grid.grid_axes, layout.slots)
         total_weight = jnp.maximum(reduce.ordered_sum(weight_V, V), 1.0)
         grads = jax.tree.map(lambda g: g / total_weight, grads)
@@ -231,32 +236,39 @@ def make_compute(
             shard_finite=finite_V,
             row_finite=row_finite,
             passes=passes,
+            fits=fits,
         )
 
-    def exact_grads(params, step, tokens, weights, first, count, trip):
-        def attempt(carry):
-            plans, _, _, _, _, tries = carry
+    def exact_grads(params, step, tokens, weights, first, count, trip, requantise: bool):
+        def attempt(plans):
             sums, stats = shard_loop(params, step, tokens, weights, first, count, trip, partition.init(reducer, plans))
-            accs = [a for gs in sums.flat() for a in gs.accs]
-            lsb, exp = reducer.global_stats(accs, data)
-            return partition.per_group(reducer.fixed_lsb(exp)), reducer.fits(lsb, exp), sums, lsb, stats, tries + 1
+            lsb, exp = reducer.global_stats([a for gs in sums.flat() for a in gs.accs], data)
+            return sums, stats, lsb, exp
 
-        # Pass 1 always; pass 2 only when pass 1 could have overflowed (the same decision on
-        # every device: `ok` comes from exact all-reduces).
-        first_sums = partition.init(reducer)
-        init = ([gs.plan for gs in first_sums.flat()], jnp.bool_(False), first_sums,
-                [a.lsb for gs in first_sums.flat() for a in gs.accs], no_stats(), jnp.int32(0))
-        _, _, sums, lsb, stats, tries = lax.while_loop(lambda c: ~c[1], attempt, init)
+        # Pass 1, and `fits`: the same verdict on every device (from exact all-reduces). Pass 2 is
+        # another program (`requantise`), run only after a pass 1 that does not fit, so that the
+        # step every other pass runs holds the shard loop once and no loop around it: that loop
+        # made the compute program 17% slower to compile (tiny, 6 devices).
+        sums, stats, lsb, exp = attempt(None)
+        passes = 1
+        if requantise:  # every shard quantised to the lsb per block fixed by pass 1's exact maxima
+            sums, stats, lsb, exp = attempt(partition.per_group(reducer.fixed_lsb(exp)))
+            passes = 2
+        fits = reducer.fits(lsb, exp)
         groups, lsb = partition.groups(), partition.per_group(lsb)
         floats = reducer.floats_over_data(groups, [gs.accs for gs in sums.flat()], lsb, data,
                                           mesh.shape[data], regions)
-        return partition.params_from(floats), stats, tries
+        return partition.params_from(floats), stats, jnp.int32(passes), fits
 
     rep = PartitionSpec()
     out_specs = GradResult(grads=grid.manual_specs, loss=rep, shard_loss=rep, shard_finite=rep, row_finite=rep,
-                           passes=rep)
-    return Compute(grid.jit(per_device, out_specs, lambda params: GradResult(
-        grads=params, loss=None, shard_loss=None, shard_finite=None, row_finite=None, passes=None)), plan)
+                           passes=rep, fits=rep)
+
+    def jitted(requantise: bool):
+        return grid.jit(functools.partial(per_device, requantise=requantise), out_specs, lambda params: GradResult(
+            grads=params, loss=None, shard_loss=None, shard_finite=None, row_finite=None, passes=None, fits=None))
+
+    return Compute(jitted(False), plan, second_pass=(lambda: jitted(True)) if mode == "invariant" else None)
 
 
 @struct.dataclass
@@ -369,14 +381,37 @@ class _GridSpecs:
 class Compute:
     """fn(params, tokens, weights, index, layout=None): a jitted half of the step (compute: index =
     the step; evaluate: the eval batch); the layout defaults to the plan's uniform one (a
-    ShardLayout from `plan.layout(counts)` otherwise)."""
+    ShardLayout from `plan.layout(counts)` otherwise).
 
-    def __init__(self, jitted, plan: ShardPlan):
+    The exact reduction's compute runs in one pass, or in two when the first one's quantisation
+    could have overflowed (result.fits false: shards whose block maxima lie too far apart, see
+    resilient_jax.reduce). Calling it does both as needed, reading `fits` back; the Trainer calls
+    `first_pass` and reads `fits` back with the step's finiteness and loss, in one readback, then
+    `second_pass` in the rare step that needs it -- a program of its own, compiled the first time
+    a step needs it."""
+
+    def __init__(self, jitted, plan: ShardPlan, second_pass: Callable[[], Any] | None = None):
         self.jitted, self.plan = jitted, plan
         self._uniform = plan.layout()
+        self._make_second_pass, self._second_pass = second_pass, None
 
     def __call__(self, params, tokens, weights, step, layout: ShardLayout | None = None):
+        result = self.first_pass(params, tokens, weights, step, layout)
+        if self._make_second_pass is not None and not bool(result.fits):
+            return self.second_pass(params, tokens, weights, step, layout)
+        return result
+
+    def first_pass(self, params, tokens, weights, step, layout: ShardLayout | None = None):
         return self.jitted(params, tokens, weights, step, self._uniform if layout is None else layout)
+
+    def second_pass(self, params, tokens, weights, step, layout: ShardLayout | None = None):
+        """The step again, every shard quantised to the lsb per block that the first pass's exact
+        maxima fix: no sum can overflow (result.passes == 2)."""
+        if self._make_second_pass is None:
+            raise ValueError("only the exact (invariant) reduction has a second pass")
+        if self._second_pass is None:
+            self._second_pass = self._make_second_pass()
+        return self._second_pass(params, tokens, weights, step, self._uniform if layout is None else layout)
 
     def lower(self, params, tokens, weights, step, layout: ShardLayout | None = None):
         return self.jitted.lower(params, tokens, weights, step, self._uniform if layout is None else layout)

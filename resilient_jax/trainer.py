@@ -5,6 +5,8 @@ One step, as the loop runs it:
     result = compute(params, batch, k)              collectives; the state is not touched
     if some virtual shard is non-finite:            (fault class 4: a NaN data shard)
         quarantine the offending data shards from k, re-read step k, recompute
+    elif the exact sum could have overflowed:       (rare; resilient_jax.reduce)
+        recompute with exponents fixed in advance   (Compute.second_pass)
     state  = apply(state, result.grads, k)          local update; donates the old state
 
 and before a step k at an eval boundary (and after the last), the held-out loss of the state after
@@ -271,10 +273,13 @@ class Trainer:
             batch = next(loader)
             assert batch.step == step, (batch.step, step)
             tokens, weights = self._place(batch, self.local_rows())
-            result = self.compute(params, tokens, weights, np.int32(step), self.layout)
-            # The step's one host readback: finiteness and loss together (both replicated).
-            shard_finite, loss = jax.device_get((result.shard_finite, result.loss))
+            result = self.compute.first_pass(params, tokens, weights, np.int32(step), self.layout)
+            # The step's one host readback: finiteness, loss and the exact sum's `fits` together (all
+            # replicated: every process decides alike).
+            shard_finite, loss, fits = jax.device_get((result.shard_finite, result.loss, result.fits))
             if shard_finite.all():
+                if not fits:  # rare: the exact sum's second pass (its loss has the same bits)
+                    result = self.compute.second_pass(params, tokens, weights, np.int32(step), self.layout)
                 return result.replace(loss=loss)
             for record in self._quarantine(loader, step, shard_finite, np.asarray(result.row_finite)):
                 totals.quarantines.append(record)

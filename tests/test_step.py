@@ -154,11 +154,56 @@ def test_exact_reduction_requantises_far_apart_shards_and_stays_layout_free():
         results[data, fsdp] = compute(params, tokens, weights, np.int32(0))
     a, b = results[8, 1], results[2, 4]
     assert int(a.passes) == 2 and int(b.passes) == 2
+    # Calling compute did it in two programs: a first pass that says it does not fit, then the
+    # second pass, whose result is what the call returned.
+    params, compute = _compute_on(8, 1)
+    first = compute.first_pass(params, tokens, weights, np.int32(0))
+    assert not bool(first.fits) and int(first.passes) == 1
+    second = compute.second_pass(params, tokens, weights, np.int32(0))
+    assert bool(second.fits) and int(second.passes) == 2
+    for x, y in zip(_host(second.grads), _host(a.grads)):
+        np.testing.assert_array_equal(x, y)
     for x, y in zip(_host(a.grads), _host(b.grads)):
         np.testing.assert_array_equal(x, y)
     params, native = _compute_on(8, 1, "native")
     for x, y in zip(_host(a.grads), _host(native(params, tokens, weights, np.int32(0)).grads)):
         np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-7)
+
+
+def test_the_trainer_takes_the_second_pass_only_after_a_first_that_does_not_fit(tmp_path):
+    from resilient_jax.trainer import RunTotals, Trainer
+
+    from conftest import tiny_config
+
+    trainer = Trainer(tiny_config(tmp_path, "train.steps=2"), devices=jax.devices()[:8])
+    state = trainer.fresh_state()
+    calls = []
+    first_pass, second_pass = trainer.compute.first_pass, trainer.compute.second_pass
+
+    def first(*args):
+        calls.append("first")
+        result = first_pass(*args)
+        assert bool(result.fits)  # ordinary shards: one pass is enough ...
+        return result.replace(fits=jnp.bool_(len(calls) > 1))  # ... but say the first step's does not fit
+
+    second_losses = []
+
+    def second(*args):
+        calls.append("second")
+        result = second_pass(*args)
+        second_losses.append(float(result.loss))
+        return result
+
+    trainer.compute.first_pass, trainer.compute.second_pass = first, second
+    loader = trainer.open_loader(start_step=0)
+    try:
+        results = [trainer.compute_finite(state.params, loader, k, RunTotals(), log=None) for k in range(2)]
+    finally:
+        loader.close()
+    assert calls == ["first", "second", "first"]
+    assert [int(r.passes) for r in results] == [2, 1]
+    # The loss the trainer kept is the first pass's readback; the second pass's has the same bits.
+    assert float(results[0].loss) == second_losses[0]
 
 
 def test_exact_reduction_matches_the_float_sum_and_takes_one_pass_on_ordinary_shards():
