@@ -405,13 +405,22 @@ class Compute:
         return self.jitted(params, tokens, weights, step, self._uniform if layout is None else layout)
 
     def second_pass(self, params, tokens, weights, step, layout: ShardLayout | None = None):
-        """The step again, every shard quantised to the lsb per block that the first pass's exact
-        maxima fix: no sum can overflow (result.passes == 2)."""
+        """The step again as the first pass and then the second: every shard quantised to the lsb
+        per block that the first pass's exact maxima fix, so no sum can overflow (result.passes ==
+        2). It runs the shard loop twice (the first pass's exponents are not carried over: they
+        would be an output of every step, per block of every leaf), so a step that needs it costs
+        three shard loops in all."""
+        return self._second()(params, tokens, weights, step, self._uniform if layout is None else layout)
+
+    def lower_second_pass(self, params, tokens, weights, step, layout: ShardLayout | None = None):
+        return self._second().lower(params, tokens, weights, step, self._uniform if layout is None else layout)
+
+    def _second(self):
         if self._make_second_pass is None:
             raise ValueError("only the exact (invariant) reduction has a second pass")
         if self._second_pass is None:
             self._second_pass = self._make_second_pass()
-        return self._second_pass(params, tokens, weights, step, self._uniform if layout is None else layout)
+        return self._second_pass
 
     def lower(self, params, tokens, weights, step, layout: ShardLayout | None = None):
         return self.jitted.lower(params, tokens, weights, step, self._uniform if layout is None else layout)

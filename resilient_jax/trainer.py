@@ -173,6 +173,12 @@ class Trainer:
             regions=self.region_groups,
         )
         self.apply = step_lib.make_apply(self.tx, self.schedule, self.shardings, self.mesh)
+        # How a program needed in the middle of a run (the exact sum's second pass) is compiled:
+        # compile(lower, what). The elastic worker sets its own (world.compile_world, ended by the
+        # controller's verdict), so that the members of a world on one machine compile it once and
+        # meet its first collective together.
+        self.compile_midrun: Callable[[Callable[[], list], str], Any] = self.compile_programs
+        self._second_pass_compiled = False
         self.evaluate = None if self.evalset is None else step_lib.make_evaluate(
             self.model_def, self.mesh, self.plan, seed=cfg.train.seed, loss_fn=loss_fn)
         self.run_dir = Path(cfg.run.dir)
@@ -279,7 +285,7 @@ class Trainer:
             shard_finite, loss, fits = jax.device_get((result.shard_finite, result.loss, result.fits))
             if shard_finite.all():
                 if not fits:  # rare: the exact sum's second pass (its loss has the same bits)
-                    result = self.compute.second_pass(params, tokens, weights, np.int32(step), self.layout)
+                    result = self._second_pass(params, tokens, weights, step, totals, log)
                 return result.replace(loss=loss)
             for record in self._quarantine(loader, step, shard_finite, np.asarray(result.row_finite)):
                 totals.quarantines.append(record)
@@ -288,6 +294,23 @@ class Trainer:
             f"step {step}: gradients are still non-finite after quarantining {MAX_QUARANTINES_PER_STEP} data "
             "shards; the model itself diverged (lower optimizer.lr or check the data)"
         )
+
+    def _second_pass(self, params, tokens, weights, step: int, totals: RunTotals, log) -> step_lib.GradResult:
+        """Step `step` again with the exact sum's exponents fixed in advance (Compute.second_pass),
+        its program compiled through `compile_midrun` the first time, and counted as compiling."""
+        args = (params, tokens, weights, np.int32(step), self.layout)
+        if not self._second_pass_compiled:
+            compiled = compile_cache.timed_compile(
+                lambda: self.compile_midrun(lambda: [self.compute.lower_second_pass(*args)], "second-pass"))
+            self._second_pass_compiled = True
+            totals.compile_seconds += compiled.seconds
+            if log is not None:
+                log.event({"event": "compile", "step": step, "program": "second pass", **compiled.to_event()})
+        result = self.compute.second_pass(*args)
+        if not bool(result.fits):  # cannot happen: the second pass's exponents leave room for every sum
+            raise NonFiniteStepError(f"step {step}: the exact gradient sum overflowed even with exponents fixed "
+                                     "in advance; report this with the run's config")
+        return result
 
     def _quarantine(self, loader, step: int, shard_finite: np.ndarray, row_finite: np.ndarray):
         """Map non-finite virtual shards to data shards (the same answer on every host: the global

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import jax
@@ -107,6 +108,7 @@ def test_a_worlds_programs_compile_side_by_side_and_a_failed_compile_is_raised()
             barrier.wait()
             if self.fail:
                 raise ValueError(f"{self.name} does not compile")
+            time.sleep(0.2)  # still compiling when the other one fails
             done.append(self.name)
 
     compile_cache.compile_all([Program("compute"), Program("apply")])
@@ -115,11 +117,16 @@ def test_a_worlds_programs_compile_side_by_side_and_a_failed_compile_is_raised()
     with pytest.raises(ValueError, match="apply does not compile"):
         compile_cache.compile_all([Program("compute"), Program("apply", fail=True)])
     assert done == ["compute"]  # the other compile still finished before the error was raised
-    # Real programs: compiled side by side, each one is the program its own jit runs.
-    f, g = jax.jit(lambda x: x * 2 + 1), jax.jit(lambda x: x.sum())
-    x = jax.numpy.arange(8.0)
+    # Real programs: compiled side by side (two compiles, each a cache lookup), each one is the
+    # program its own jit then runs -- calling them compiles nothing more.
+    f, g = jax.jit(lambda x: x * 3 + 1), jax.jit(lambda x: x.prod())
+    x = jax.numpy.arange(1.0, 9.0)
+    before = sum(compile_cache.COUNTER.snapshot())
     compile_cache.compile_all([f.lower(x), g.lower(x)])
-    assert f(x).tolist() == [2 * i + 1 for i in range(8)] and float(g(x)) == 28.0
+    compiled = sum(compile_cache.COUNTER.snapshot())
+    assert compiled - before == 2
+    assert f(x).tolist() == [3 * i + 1 for i in range(1, 9)] and float(g(x)) == 40320.0
+    assert sum(compile_cache.COUNTER.snapshot()) == compiled
 
 
 def test_rank_0_alone_compiles_a_world_only_where_every_member_shares_its_machine_and_cache():

@@ -178,10 +178,9 @@ def test_gpu_config_compiles_as_a_reduced_copy_on_emulated_devices(name):
     assert report["rows_per_shard"] == rows and report["virtual_shards"] == shards
     compute = report["compute"]
     assert compute["temp_bytes"] > 0 and compute["dot_flops"] > 0
-    # Every loop's trip count is known except, in invariant mode, the exact reduction's pass loop:
-    # it runs once, or twice when pass 1 could have overflowed int64 -- decided at run time, so XLA
-    # cannot annotate it; its body (pass 1, the common case) is what dot_flops counts.
-    assert compute["unknown_trip_counts"] == (1 if cfg.parallel.reduction == "invariant" else 0)
+    # Every loop's trip count is known (the exact reduction's rare second pass is a program of its
+    # own, not a loop around the first): dot_flops counts every loop as many times as it runs.
+    assert compute["unknown_trip_counts"] == 0
     assert compute["collective_bytes_total"] > 0
     # The whole state on one device would be 16 B/param; sharded over fsdp each device holds 1/fsdp
     # of the optimizer state.

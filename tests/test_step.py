@@ -194,14 +194,33 @@ def test_the_trainer_takes_the_second_pass_only_after_a_first_that_does_not_fit(
         second_losses.append(float(result.loss))
         return result
 
+    compile_midrun = trainer.compile_midrun
+    compiled = []
+
+    def compile_through_the_world(lower, what):  # what the elastic worker hands the trainer
+        compiled.append(what)
+        return compile_midrun(lower, what)
+
+    class Log:
+        events = []
+
+        def event(self, record):
+            self.events.append(record)
+
     trainer.compute.first_pass, trainer.compute.second_pass = first, second
-    loader = trainer.open_loader(start_step=0)
+    trainer.compile_midrun = compile_through_the_world
+    loader, totals = trainer.open_loader(start_step=0), RunTotals()
     try:
-        results = [trainer.compute_finite(state.params, loader, k, RunTotals(), log=None) for k in range(2)]
+        results = [trainer.compute_finite(state.params, loader, k, totals, Log()) for k in range(2)]
     finally:
         loader.close()
     assert calls == ["first", "second", "first"]
     assert [int(r.passes) for r in results] == [2, 1]
+    # Its program was compiled through the trainer's mid-run compile, once, and counted as compiling.
+    assert compiled == ["second-pass"]
+    (event,) = Log.events
+    assert event["event"] == "compile" and event["program"] == "second pass" and event["step"] == 0
+    assert totals.compile_seconds == event["seconds"] > 0
     # The loss the trainer kept is the first pass's readback; the second pass's has the same bits.
     assert float(results[0].loss) == second_losses[0]
 

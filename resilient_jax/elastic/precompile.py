@@ -8,9 +8,9 @@ world will have) and compiles its step from abstract state -- nothing is allocat
 runs. The programs land in the persistent compile cache (JAX writes entries from process 0 only,
 which is why only rank 0 compiles), keyed as the new world will look them up.
 
-The thread stops between programs when the world is left; `stop()` then waits for the program in
-flight (the backend must not be cleared under a compile), at most one program's compile, which
-a recovery without it would spend anyway.
+The thread stops between worlds when the world is left; `stop()` then waits for the compile in
+flight (the backend must not be cleared under a compile): at most one world's programs, compiled
+side by side (compile_cache.compile_all), which a recovery without it would spend anyway.
 """
 
 from __future__ import annotations

@@ -511,6 +511,7 @@ class Worker:
                               allow_config_change=self.allow_config_change,
                               verified_dataset=self.verified_dataset, regions=regions,
                               verified_eval_dataset=self.verified_eval_dataset)
+            trainer.compile_midrun = lambda lower, what: self._compile(lower, what, rank, len(members))
             self.verified_dataset = trainer.manifest
             self.verified_eval_dataset = trainer.evalset.manifest if trainer.evalset else None
             ckpt = trainer.checkpoints(generation=self.generation, regions=regions)
@@ -692,6 +693,8 @@ class Worker:
         import jax
         from jax.experimental import multihost_utils
 
+        from resilient_jax.elastic import world as world_lib
+
         first = True
         clock = self.heartbeat.clock
         total = self.cfg.train.steps
@@ -750,7 +753,9 @@ class Worker:
                     self._keep(self._to_host(state), loop)
                     return Event.WORLD_CHANGE, f"the members agreed after step {step}"
             return self._finish(trainer, loop, ckpt, state, step, stopped=None)
-        except jax.errors.JaxRuntimeError as e:
+        except (jax.errors.JaxRuntimeError, world_lib.WorldAborted, world_lib.BarrierTimeout) as e:
+            # WorldAborted, BarrierTimeout: a member died while the world compiled a program a step
+            # needed (the exact sum's second pass, Trainer.compile_midrun).
             clock.started_at = None
             # compute() never donates: `state` is still the state after step `step`, on our devices.
             self._keep(self._to_host(state), loop)
