@@ -402,7 +402,7 @@ class Compute:
         return result
 
     def first_pass(self, params, tokens, weights, step, layout: ShardLayout | None = None):
-        return self.jitted(params, tokens, weights, step, self._uniform if layout is None else layout)
+        return self.jitted(params, tokens, weights, step, self._layout(layout))
 
     def second_pass(self, params, tokens, weights, step, layout: ShardLayout | None = None):
         """The step again as the first pass and then the second: every shard quantised to the lsb
@@ -410,10 +410,10 @@ class Compute:
         2). It runs the shard loop twice (the first pass's exponents are not carried over: they
         would be an output of every step, per block of every leaf), so a step that needs it costs
         three shard loops in all."""
-        return self._second()(params, tokens, weights, step, self._uniform if layout is None else layout)
+        return self._second()(params, tokens, weights, step, self._layout(layout))
 
     def lower_second_pass(self, params, tokens, weights, step, layout: ShardLayout | None = None):
-        return self._second().lower(params, tokens, weights, step, self._uniform if layout is None else layout)
+        return self._second().lower(params, tokens, weights, step, self._layout(layout))
 
     def _second(self):
         if self._make_second_pass is None:
@@ -422,11 +422,14 @@ class Compute:
             self._second_pass = self._make_second_pass()
         return self._second_pass
 
+    def _layout(self, layout: ShardLayout | None) -> ShardLayout:
+        return self._uniform if layout is None else layout
+
     def lower(self, params, tokens, weights, step, layout: ShardLayout | None = None):
-        return self.jitted.lower(params, tokens, weights, step, self._uniform if layout is None else layout)
+        return self.jitted.lower(params, tokens, weights, step, self._layout(layout))
 
     def trace(self, params, tokens, weights, step, layout: ShardLayout | None = None):
-        return self.jitted.trace(params, tokens, weights, step, self._uniform if layout is None else layout)
+        return self.jitted.trace(params, tokens, weights, step, self._layout(layout))
 
     def _cache_size(self) -> int:  # tests: one compilation serves every step and every layout
         return self.jitted._cache_size()

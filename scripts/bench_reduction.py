@@ -169,13 +169,10 @@ def timed(name: str, data: int, fsdp: int, steps: int, rounds: int) -> dict:
         state = state_lib.init_state(model_def, tx, mesh, 0)
         t0 = time.perf_counter()
         for k, (tokens, weights) in enumerate(placed):
-            # As the Trainer steps: the first pass, one readback (loss and `fits`), the second pass
-            # only where the first does not fit, then apply.
-            compute = modes[mode]
-            result = compute.first_pass(state.params, tokens, weights, np.int32(k))
-            _, fits = jax.device_get((result.loss, result.fits))
-            if not fits:
-                result = compute.second_pass(state.params, tokens, weights, np.int32(k))
+            # The first pass, and the second where the first does not fit (Compute.__call__); the
+            # loss read back before apply, as the Trainer does, in both modes.
+            result = modes[mode](state.params, tokens, weights, np.int32(k))
+            float(result.loss)
             state, _ = apply(state, result.grads, np.int32(k))
         return (time.perf_counter() - t0) / len(placed)
 

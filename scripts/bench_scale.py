@@ -226,12 +226,9 @@ def _throughput_child(spec: dict) -> None:
     flops = hlo_stats.analyze(compiled.as_text(), len(mesh.devices.flat)).dot_flops  # per device, per step
 
     def one_step(state, k):
-        # As the Trainer steps: one readback of the loss (with finiteness and the exact sum's
-        # `fits`), the second pass only where the first does not fit.
-        result = compute.first_pass(state.params, tokens, weights, np.int32(k))
-        _, fits = jax.device_get((result.loss, result.fits))
-        if not fits:
-            result = compute.second_pass(state.params, tokens, weights, np.int32(k))
+        # The first pass, and the second where the first does not fit (Compute.__call__).
+        result = compute(state.params, tokens, weights, np.int32(k))
+        float(result.loss)  # the Trainer reads the loss (and finiteness) back every step
         return apply(state, result.grads, np.int32(k))[0]
 
     for k in range(spec["warmup"]):
