@@ -19,14 +19,18 @@ import argparse
 import contextlib
 import os
 import sys
-from pathlib import Path
+import time
 
-from resilient_jax import compile_cache
-from resilient_jax.checkpoint.preemption import INTERRUPTED, INTERRUPTED_EXIT
-from resilient_jax.config import Config, ConfigError, absolute_path, load_config
-from resilient_jax.distributed import ENV_PROCESS_ID
-from resilient_jax.preflight import check_run
-from resilient_jax.runlock import RunLock
+# The driver's launch, before the package's imports: an elastic run's cold start (launch -> first
+# step done) is measured from here (resilient_jax.elastic.controller: cold_start_seconds).
+LAUNCHED_AT = time.monotonic()
+
+from resilient_jax import compile_cache  # noqa: E402
+from resilient_jax.checkpoint.preemption import INTERRUPTED, INTERRUPTED_EXIT  # noqa: E402
+from resilient_jax.config import Config, ConfigError, absolute_path, load_config  # noqa: E402
+from resilient_jax.distributed import ENV_PROCESS_ID  # noqa: E402
+from resilient_jax.preflight import check_run  # noqa: E402
+from resilient_jax.runlock import RunLock  # noqa: E402
 
 PREEMPTED_EXIT = 143  # 128 + SIGTERM, what a scheduler expects of a process it terminated
 
@@ -145,7 +149,8 @@ def run_elastic_cli(cfg: Config, args: argparse.Namespace, allow: list[str]) -> 
     from resilient_jax.elastic.run import Interrupted, run_elastic
 
     try:
-        summary = run_elastic(cfg, resume=args.resume, allow_config_change=allow, stop_at=args.stop_at)
+        summary = run_elastic(cfg, resume=args.resume, allow_config_change=allow, stop_at=args.stop_at,
+                              launched_at=LAUNCHED_AT)
     except RunFailed as e:
         failure = e.failure
         where = (f" (log: {cfg.run.dir}/elastic/logs/{failure['host']}.log)" if failure

@@ -258,3 +258,28 @@ def test_a_client_that_vanishes_mid_request_leaves_no_traceback_and_the_run_is_s
         ctl.close()
     captured = capfd.readouterr()
     assert "Traceback" not in captured.err + captured.out, captured.err
+
+
+def test_the_cold_start_is_launch_to_the_first_step_and_each_recovery_is_compared_with_it(tmp_path):
+    launched = time.monotonic() - 4.0  # the driver started 4 s ago (its imports, the controller)
+    ctl = Controller(config_hash="a" * 64, expected_hosts=2, run_dir=tmp_path, token="s3cret", dead_after_seconds=2,
+                     launched_at=launched)
+    try:
+        client = ControllerClient(ctl.url, "s3cret")
+        for host in ("h0", "h1"):
+            client.call("/register", host=host, region="us", devices=2, config_hash="a" * 64)
+        assert ctl.elastic_report()["cold_start_seconds"] is None  # no step done yet
+        client.call("/progress", host="h0", generation=0, step=1)
+        cold = ctl.elastic_report()["cold_start_seconds"]
+        assert 4.0 <= cold <= 4.0 + (time.monotonic() - launched - 4.0)  # from the launch, not the controller
+        # h1 falls silent after step 3; h0 asks for the next world and completes its first step.
+        client.call("/reform", host="h0", generation=0, completed_step=3, data_position={"step": 3},
+                    reason="failure")
+        client.call("/progress", host="h0", generation=1, step=4)
+        report = ctl.elastic_report()
+        assert report["cold_start_seconds"] == cold  # generation 0's, whatever came after
+        (event,) = report["events"]
+        assert event["reason"] == "failure" and event["recovery_seconds"] is not None
+        assert event["recovery_vs_cold_start"] == round(event["recovery_seconds"] / cold, 3)
+    finally:
+        ctl.close()

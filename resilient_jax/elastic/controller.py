@@ -186,7 +186,8 @@ class Controller:
                  on_dead: Callable[[str], None] | None = None, console: Callable[[str], None] | None = None,
                  run_options: dict | None = None, history: RunHistory | None = None,
                  tls: ServerTls | None = None, assignment: str = "uniform", coordination_heartbeat_seconds: int = 30,
-                 hosts_per_replica: int = 1, min_replicas: int = 1, cross_region_replica: bool = False):
+                 hosts_per_replica: int = 1, min_replicas: int = 1, cross_region_replica: bool = False,
+                 launched_at: float | None = None):
         """`console` receives one sentence per event and a progress line per logged step (the
         driver prints them); `run_options` go to every worker as it registers (this invocation's
         --resume / --allow-config-change / --stop-at); `history` is the run's record across
@@ -197,7 +198,9 @@ class Controller:
         `coordination_heartbeat_seconds`: each generation's JAX coordination service declares a
         silent member dead after this long (runtime.coordination_heartbeat_seconds).
         `hosts_per_replica` > 1: the membership unit is a replica group of that many hosts
-        (resilient_jax.elastic.groups); fewer complete groups than `min_replicas` fail the run."""
+        (resilient_jax.elastic.groups); fewer complete groups than `min_replicas` fail the run.
+        `launched_at`: time.monotonic() when the run was launched (default: now); the cold start,
+        launch -> generation 0's first step done, is what each recovery is compared with."""
         channel.check_bind(bind, token, tls is not None)
         self.config_hash = config_hash
         self.expected_hosts = expected_hosts
@@ -224,6 +227,7 @@ class Controller:
         self.history = history
         self._history_begun = False
         self._started = time.perf_counter()
+        self.launched_at = time.monotonic() if launched_at is None else launched_at
         self._progress_step = -1  # the last step a progress line was printed for
         self._eval_steps: set = set()  # the steps whose evaluation was printed
         self.members: dict[str, Member] = {}
@@ -542,6 +546,11 @@ class Controller:
         """The summary fields that only the controller knows."""
         with self._lock:
             failures = [e for e in self.events if e.reason == "failure"]
+            cold_start = self._cold_start_seconds()
+            events = [e.report() for e in self.events if e.reason != "start" or e.from_checkpoint]
+            for event in events:
+                if event["recovery_seconds"] is not None and event["reason"] != "start" and cold_start:
+                    event["recovery_vs_cold_start"] = round(event["recovery_seconds"] / cold_start, 3)
             return {
                 "stalls": [s.report(self.timings.get(s.generation, {}).get(s.step))
                            for s in sorted(self.stalls.values(), key=lambda s: (s.generation, s.step))],
@@ -555,12 +564,21 @@ class Controller:
                 "failures_absorbed": sum(len(e.lost) for e in failures),
                 "fault_events": len(failures),
                 "steps_lost": sum(e.steps_lost for e in self.events),
-                "events": [e.report() for e in self.events if e.reason != "start" or e.from_checkpoint],
+                # Launch -> generation 0's first step done: imports, formation, restore or a
+                # fresh state, the first compile, the first step. A recovery is compared with it.
+                "cold_start_seconds": cold_start,
+                "events": events,
                 "members": {h: {"region": m.region, "status": m.status} for h, m in sorted(self.members.items())},
                 "replica_groups": [g.to_dict() for g in self.groups],
             }
 
     # -- internals (lock held) ---------------------------------------------------------------------
+
+    def _cold_start_seconds(self) -> float | None:
+        first = next((e for e in self.events if e.generation == 0), None)
+        if first is None or first.first_step_at is None:
+            return None
+        return round(first.first_step_at - self.launched_at, 3)
 
     def _begin_history(self, start_step: int, checkpoint: str | None) -> None:
         if self.history is not None and not self._history_begun:

@@ -98,9 +98,11 @@ def make_launcher(cfg: Config, **kwargs):
 
 
 def run_elastic(cfg: Config, *, resume: str | None = None, allow_config_change: list[str] = (),
-                stop_at: int | None = None) -> dict:
+                stop_at: int | None = None, launched_at: float | None = None) -> dict:
     """Run to the end (or a stop) and return the summary; its `stopped` is None, "interrupted",
-    "preempted" or "stop_at". `resume`, `allow_config_change`, `stop_at` as for single-process runs."""
+    "preempted" or "stop_at". `resume`, `allow_config_change`, `stop_at` as for single-process runs.
+    `launched_at`: time.monotonic() at the driver's launch (default: now), for cold_start_seconds."""
+    launched_at = time.monotonic() if launched_at is None else launched_at
     cfg = validate(cfg)
     if warning := compile_cache.check(cfg.runtime.compile_cache, cfg.run.dir):
         print(warning, file=sys.stderr, flush=True)  # once, here; each worker notes it in its own log
@@ -110,7 +112,7 @@ def run_elastic(cfg: Config, *, resume: str | None = None, allow_config_change: 
     history = RunHistory.load(run_dir)
     with _driver_logs_to(logs / "controller.log"):
         summary = _drive(cfg, run_dir, {"resume": resume, "allow_config_change": list(allow_config_change),
-                                        "stop_at": stop_at}, history)
+                                        "stop_at": stop_at}, history, launched_at)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
     if summary.get("stopped"):
         print(f"stopped ({summary['stopped']}) at step {summary['final_step']}; rerun the same command"
@@ -127,7 +129,7 @@ def _eval_tail(summary: dict) -> str:
     return "" if last is None else f" | eval loss {last['loss']:.4f} (step {last['step']})"
 
 
-def _drive(cfg: Config, run_dir: Path, options: dict, history: RunHistory) -> dict:
+def _drive(cfg: Config, run_dir: Path, options: dict, history: RunHistory, launched_at: float) -> dict:
     config_path = run_dir / "elastic" / "config.json"
     config_path.write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True))
     token = cfg.runtime.token or os.environ.get("RESILIENT_JAX_TOKEN") or secrets.token_hex(16)
@@ -142,7 +144,7 @@ def _drive(cfg: Config, run_dir: Path, options: dict, history: RunHistory) -> di
         assignment=effective_policy(cfg.runtime.assignment, cfg.parallel.reduction, len(plan)),
         coordination_heartbeat_seconds=cfg.runtime.coordination_heartbeat_seconds,
         hosts_per_replica=cfg.parallel.hosts_per_replica, min_replicas=cfg.runtime.min_replicas,
-        cross_region_replica=cfg.parallel.allow_cross_region_replica,
+        cross_region_replica=cfg.parallel.allow_cross_region_replica, launched_at=launched_at,
     )
     controller_file = run_dir / "elastic" / "controller.json"
     controller_file.write_text(json.dumps({"url": controller.url, "pid": os.getpid(),
