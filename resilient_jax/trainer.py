@@ -31,6 +31,7 @@ from resilient_jax import assignment as assignment_lib
 from resilient_jax import compile_cache
 from resilient_jax import data as data_lib
 from resilient_jax import evaluation
+from resilient_jax import exported as exported_lib
 from resilient_jax import faults as faults_lib
 from resilient_jax import flops as flops_lib
 from resilient_jax import hierarchy
@@ -394,16 +395,50 @@ class Trainer:
     def lowered(self, state: state_lib.TrainState) -> list:
         """This world's programs (compute, apply, and evaluate if any) traced and lowered, not yet
         compiled: `precompile` compiles them."""
+        args = self._program_args(state)
+        lowered = [self.compute.lower(*args["compute"]), self.apply.lower(*args["apply"])]
+        if self.evaluate is not None:
+            lowered.append(self.evaluate.lower(*args["evaluate"]))
+        return lowered
+
+    def _program_args(self, state: state_lib.TrainState) -> dict[str, tuple]:
+        """Each program's arguments: `state`'s, and the batch's shapes and shardings."""
         batch = mesh_lib.batch_sharding(self.mesh)
         rows, seq = self.plan.padded_rows, self.cfg.data.seq_len
         tokens = jax.ShapeDtypeStruct((rows, seq + 1), np.int32, sharding=batch)
         weights = jax.ShapeDtypeStruct((rows, seq), np.float32, sharding=batch)
         grads = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state.params)
-        lowered = [self.compute.lower(state.params, tokens, weights, np.int32(0)),
-                   self.apply.lower(state, grads, np.int32(0))]
+        layout = self.plan.layout()  # arrays: every layout runs the same program
+        args = {"compute": (state.params, tokens, weights, np.int32(0), layout),
+                "apply": (state, grads, np.int32(0))}
         if self.evaluate is not None:
-            lowered.append(self.evaluate.lower(state.params, tokens, weights, np.int32(0)))
-        return lowered
+            args["evaluate"] = (state.params, tokens, weights, np.int32(0), layout)
+        return args
+
+    def export_programs(self) -> dict:
+        """This world's programs, exported (resilient_jax.exported): traced and lowered from the
+        state's shapes alone, not compiled; for a later world of the same shape (`use_exported`)."""
+        args = self._program_args(self.abstract_state())
+        jitted = {"compute": self.compute.jitted, "apply": self.apply,
+                  "evaluate": None if self.evaluate is None else self.evaluate.jitted}
+        return {name: exported_lib.export(jitted[name], program_args) for name, program_args in args.items()}
+
+    def use_exported(self, programs: dict) -> None:
+        """Run this world's step through `programs` (what `export_programs` made for a world of
+        this shape) instead of tracing the model: the same modules, so the same bits."""
+        state = self.abstract_state()
+        zero = np.int32(0)
+        # All built before any is used: a set that does not fit (ValueError) changes nothing.
+        compute = exported_lib.ExportedCall(programs["compute"], step_lib.GradResult(
+            grads=state.params, loss=zero, shard_loss=zero, shard_finite=zero, row_finite=zero, passes=zero,
+            fits=zero))
+        apply = exported_lib.ExportedCall(programs["apply"], (state, step_lib.ApplyMetrics(grad_norm=zero, lr=zero)),
+                                          donate=exported_lib.donated_leaves(state))
+        evaluate = None if self.evaluate is None else exported_lib.ExportedCall(
+            programs["evaluate"], step_lib.EvalResult(shard_loss=zero, shard_weight=zero))
+        self.compute.jitted, self.apply = compute, apply
+        if evaluate is not None:
+            self.evaluate.jitted = evaluate
 
     def precompile_abstract(self) -> None:
         """`precompile` from the state's shapes and shardings alone: for a world that does not exist

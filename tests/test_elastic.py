@@ -122,10 +122,14 @@ def test_the_world_after_a_death_loads_its_step_that_rank_0_compiled_in_the_back
     # compiles for all). Generation 1 is (h0, h2, h3) = (us, eu, eu), and h0 its rank 0: it compiles
     # unless the background compile put the step in the cache -- it loaded it. (h2's and h3's
     # loads alone would not show that: they load whatever rank 0 compiled.)
+    # Every member of generation 1 called the step rank 0 exported (resilient_jax.exported): no
+    # member traced the model again, and the programs rank 0 compiled through it were in the cache.
     compiled = {host: compiled_reasons(tmp_path, host) for host in ("h0", "h2", "h3")}
     assert "programs compiled (not in the cache)" in compiled["h0"][0], compiled
     for host in ("h0", "h2", "h3"):
-        assert len(compiled[host]) == 2 and compiled[host][1].endswith("2 programs from the compile cache"), compiled
+        assert len(compiled[host]) == 2, compiled
+        assert compiled[host][1].endswith("2 programs from the compile cache, calling the step rank 0 exported"), compiled
+    assert not any((tmp_path / "elastic" / "exported").iterdir())  # the invocation's programs, removed at its end
     assert all(compiled[h][0].endswith("2 programs from the compile cache") for h in ("h2", "h3")), compiled
     # The fresh state's program too: h0 compiled it, the others (h1 as well) loaded it.
     ready = {host: compiled_reasons(tmp_path, host, "state_ready")[0] for host in ("h0", "h1", "h2", "h3")}

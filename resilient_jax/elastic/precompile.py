@@ -19,7 +19,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
+from resilient_jax import exported
 from resilient_jax.elastic.next_worlds import likely_next_worlds
 
 log = logging.getLogger("resilient_jax.worker")
@@ -34,9 +36,13 @@ def wanted(setting: str, platform: str, cache_on: bool) -> bool:
 
 class Precompiler(threading.Thread):
     def __init__(self, cfg, *, generation: int, regions_by_rank: Sequence[str], devices: Sequence,
-                 verified_dataset, on_done: Callable[[dict], None], verified_eval_dataset=None):
+                 verified_dataset, on_done: Callable[[dict], None], verified_eval_dataset=None,
+                 exported_dir: Path | None = None):
+        """`exported_dir`: where each world's exported programs go (resilient_jax.exported), in a
+        folder per world, for its members to call without tracing; None: compile only."""
         super().__init__(name=f"precompile-g{generation}", daemon=True)
         self.cfg, self.generation, self.devices = cfg, generation, list(devices)
+        self.exported_dir = exported_dir
         self.verified_dataset, self.on_done = verified_dataset, on_done
         self.verified_eval_dataset = verified_eval_dataset
         self.worlds = likely_next_worlds(regions_by_rank, min_hosts=cfg.runtime.min_hosts,
@@ -61,6 +67,13 @@ class Precompiler(threading.Thread):
                                   verified_dataset=self.verified_dataset,
                                   verified_eval_dataset=self.verified_eval_dataset)
                 t0 = time.perf_counter()
+                if self.exported_dir is not None:
+                    # Exported, then compiled through the stored programs: the cache entries are
+                    # those the new world's members look up when they call the same programs.
+                    per_host = sum(1 for d in self.devices if d.process_index == 0)
+                    folder = self.exported_dir / exported.world_key(regions, [per_host] * n)
+                    exported.save(folder, trainer.export_programs())
+                    trainer.use_exported(exported.load(folder))
                 trainer.precompile_abstract()
                 # Seconds only: the cache counters are per process, and the training thread's own
                 # compiles (first-use helpers) would be counted as this one's.

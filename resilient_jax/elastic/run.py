@@ -21,6 +21,7 @@ import logging
 import os
 import re
 import secrets
+import shutil
 import signal
 import sys
 import threading
@@ -28,7 +29,7 @@ import time
 from pathlib import Path
 
 from resilient_jax.assignment import effective_policy
-from resilient_jax import compile_cache
+from resilient_jax import compile_cache, exported
 from resilient_jax import faults as faults_lib
 from resilient_jax.config import Config, ConfigError
 from resilient_jax.elastic.controller import Controller
@@ -110,9 +111,15 @@ def run_elastic(cfg: Config, *, resume: str | None = None, allow_config_change: 
     logs = run_dir / "elastic" / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     history = RunHistory.load(run_dir)
-    with _driver_logs_to(logs / "controller.log"):
-        summary = _drive(cfg, run_dir, {"resume": resume, "allow_config_change": list(allow_config_change),
-                                        "stop_at": stop_at}, history, launched_at)
+    # Names this invocation's folder of exported programs (resilient_jax.exported): written and
+    # read by its own workers only, removed when it ends.
+    invocation = secrets.token_hex(8)
+    try:
+        with _driver_logs_to(logs / "controller.log"):
+            summary = _drive(cfg, run_dir, {"resume": resume, "allow_config_change": list(allow_config_change),
+                                            "stop_at": stop_at, "invocation": invocation}, history, launched_at)
+    finally:
+        shutil.rmtree(exported.folder(run_dir, invocation), ignore_errors=True)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True))
     if summary.get("stopped"):
         print(f"stopped ({summary['stopped']}) at step {summary['final_step']}; rerun the same command"

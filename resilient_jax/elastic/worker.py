@@ -405,6 +405,7 @@ class Worker:
         self.resume = options.get("resume")  # for this invocation's first world only
         self.allow_config_change = list(options.get("allow_config_change") or [])
         self.stop_at = options.get("stop_at")
+        self.invocation = options.get("invocation")  # names this invocation's exported programs
         self._last_progress: tuple[int, float] | None = None  # (step, perf_counter) of the last progress line
 
     def run(self) -> int:
@@ -512,6 +513,7 @@ class Worker:
                               verified_dataset=self.verified_dataset, regions=regions,
                               verified_eval_dataset=self.verified_eval_dataset)
             trainer.compile_midrun = lambda lower, what: self._compile(lower, what, rank, len(members))
+            called_exported = self._use_exported(trainer, world, members)
             self.verified_dataset = trainer.manifest
             self.verified_eval_dataset = trainer.evalset.manifest if trainer.evalset else None
             ckpt = trainer.checkpoints(generation=self.generation, regions=regions)
@@ -547,7 +549,8 @@ class Worker:
             self.life.fire(Event.FAILED, f"forming generation {self.generation}: {str(e).splitlines()[0][:200]}")
             self._leave(ckpt)
             return
-        self.life.fire(Event.COMPILED, f"{compiled.seconds:.2f} s, {compiled.describe()}")
+        self.life.fire(Event.COMPILED, f"{compiled.seconds:.2f} s, {compiled.describe()}"
+                       + (", calling the step rank 0 exported" if called_exported else ""))
         if rank == 0:
             self._start_precompile(world, members)
         metrics = self._metrics(trainer, start)
@@ -560,6 +563,34 @@ class Worker:
         finally:
             loop.close()
             self._leave(ckpt)
+
+    def _exported_dir(self):
+        from resilient_jax import exported
+
+        return None if self.invocation is None else exported.folder(self.cfg.run.dir, self.invocation)
+
+    def _use_exported(self, trainer, world: dict, members: list[str]) -> bool:
+        """Call this world's step through the programs rank 0 exported for a world of its shape
+        (elastic/precompile), if it did: no tracing of the model here, and the programs it
+        compiled are in the cache. Where none are (another machine's run.dir, a world nobody
+        foresaw) the trainer traces its own, as always."""
+        from resilient_jax import exported
+
+        folder = self._exported_dir()
+        if folder is None:
+            return False
+        key = exported.world_key([world["regions"][h] for h in members], [world["devices_per_host"][h] for h in members])
+        programs = exported.load(folder / key)
+        if programs is None:
+            return False
+        try:
+            trainer.use_exported(programs)
+        except (KeyError, ValueError) as e:  # not this world's programs after all: trace our own
+            log.warning("generation %d: the exported programs do not fit this world (%s); tracing the step",
+                        self.generation, e)
+            return False
+        log.info("generation %d: calling the step rank 0 exported for a world of this shape", self.generation)
+        return True
 
     def _adopt(self, trainer, world: dict):
         """The state after world["resume_step"], on this world's devices."""
@@ -662,7 +693,7 @@ class Worker:
         self.precompiler = precompile.Precompiler(
             self.cfg, generation=generation, regions_by_rank=[world["regions"][h] for h in members],
             devices=jax.devices(), verified_dataset=self.verified_dataset,
-            verified_eval_dataset=self.verified_eval_dataset, on_done=report)
+            verified_eval_dataset=self.verified_eval_dataset, on_done=report, exported_dir=self._exported_dir())
         self.precompiler.start()
 
     def _leave(self, ckpt) -> None:

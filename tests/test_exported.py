@@ -1,0 +1,87 @@
+"""A world's step exported once and called by a later trainer of the same shape
+(resilient_jax.exported): the same bits, the model not traced again, bad stores refused."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from resilient_jax import exported
+from resilient_jax import state as state_lib
+from resilient_jax.fingerprinting import params_fingerprint
+from resilient_jax.metrics import MetricsLog
+from resilient_jax.trainer import RunTotals, Trainer
+
+from conftest import tiny_config
+
+DEVICES = 6  # a world of 3 hosts x 2 devices, as cpu-4host's after a death
+
+
+def _train(trainer: Trainer, steps: int, tmp_path) -> tuple[str, float]:
+    state = state_lib.init_state(trainer.model_def, trainer.tx, trainer.mesh, trainer.cfg.train.seed)
+    loader = trainer.open_loader(start_step=0)
+    totals, log = RunTotals(), MetricsLog(tmp_path, steps, enabled=False)
+    try:
+        for step in range(steps):
+            result = trainer.compute_finite(state.params, loader, step, totals, log)
+            state, _ = trainer.apply(state, result.grads, np.int32(step))  # donates the state
+    finally:
+        loader.close()
+    return params_fingerprint(state.params), float(result.loss)
+
+
+def test_a_trainer_calling_the_exported_step_trains_the_same_bits_without_tracing_the_model(tmp_path, monkeypatch):
+    cfg = tiny_config(tmp_path / "run", "eval.every_steps=2", "eval.holdout_shards=2", "eval.batches=1")  # all three programs
+    first = Trainer(cfg, devices=jax.devices()[:DEVICES])
+    folder = tmp_path / "exported" / exported.world_key(["us", "eu", "eu"], [2, 2, 2])
+    programs = first.export_programs()
+    assert sorted(programs) == ["apply", "compute", "evaluate"]
+    exported.save(folder, programs)
+    direct = _train(first, 3, tmp_path)
+    direct_eval = _evaluate(first)
+
+    later = Trainer(cfg, devices=jax.devices()[:DEVICES])
+    later.use_exported(exported.load(folder))
+    # Lowering, compiling and running the later trainer's programs never runs the model's code.
+    monkeypatch.setattr(state_lib.ModelDef, "forward", _must_not_trace)
+    later.lowered(later.abstract_state())
+    assert _train(later, 3, tmp_path) == direct
+    assert _evaluate(later) == direct_eval
+
+
+def _must_not_trace(*args, **kwargs):
+    raise AssertionError("the model was traced")
+
+
+def _evaluate(trainer: Trainer) -> tuple[bytes, bytes]:
+    """The eval program on a fixed batch and a fixed state: its sums' bytes."""
+    from resilient_jax import mesh as mesh_lib
+
+    rows, seq = trainer.plan.padded_rows, trainer.cfg.data.seq_len
+    tokens = np.arange(rows * (seq + 1), dtype=np.int32).reshape(rows, seq + 1) % 200
+    batch = mesh_lib.batch_sharding(trainer.mesh)
+    params = jax.tree.map(lambda x: jax.device_put(np.full(x.shape, 0.01, x.dtype), x.sharding),
+                          trainer.abstract_state().params)
+    result = trainer.evaluate(params, jax.device_put(tokens, batch),
+                              jax.device_put(np.ones((rows, seq), np.float32), batch), np.int32(0), trainer.layout)
+    return np.asarray(result.shard_loss).tobytes(), np.asarray(result.shard_weight).tobytes()
+
+
+def test_an_incomplete_or_foreign_store_is_not_used(tmp_path):
+    cfg = tiny_config(tmp_path / "run")
+    trainer = Trainer(cfg, devices=jax.devices()[:DEVICES])
+    programs = trainer.export_programs()
+    folder = tmp_path / "w"
+    exported.save(folder, programs)
+    (folder / "complete").unlink()  # a writer that died before its last file: nothing to load
+    assert exported.load(folder) is None
+    assert exported.load(tmp_path / "absent") is None
+    # A world of another shape (2 devices): its programs take other arrays. Refused whole: the
+    # trainer keeps its own step.
+    other = Trainer(cfg, devices=jax.devices()[:2])
+    compute, apply = trainer.compute.jitted, trainer.apply
+    with pytest.raises(ValueError, match="returns|takes"):
+        trainer.use_exported({**programs, "apply": other.export_programs()["compute"]})
+    assert (trainer.compute.jitted, trainer.apply) == (compute, apply)
+    assert exported.world_key(["us", "eu"], [2, 2]) != exported.world_key(["eu", "us"], [2, 2])
