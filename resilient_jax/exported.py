@@ -75,6 +75,18 @@ class ExportedCall:
         self.exported = exported
         self._jit = jax.jit(exported.call, donate_argnums=tuple(donate))
 
+    def check(self, args, devices: int) -> None:
+        """ValueError unless this program takes `args` (arrays or ShapeDtypeStructs: their shapes
+        and dtypes) on a world of `devices` devices."""
+        given = [(tuple(x.shape), str(x.dtype)) for x in self._flat(args)]
+        wanted = [(tuple(a.shape), str(a.dtype)) for a in self.exported.in_avals]
+        if given != wanted:
+            raise ValueError(f"the exported program {self.exported.fun_name} takes other arrays than this world's "
+                             f"(first difference: {next(g for g, w in zip(given, wanted) if g != w)})")
+        if self.exported.nr_devices != devices:
+            raise ValueError(f"the exported program {self.exported.fun_name} runs on {self.exported.nr_devices} "
+                             f"devices, this world has {devices}")
+
     def _flat(self, args) -> list:
         import jax
 
@@ -119,7 +131,7 @@ def load(directory: Path) -> dict[str, jax.export.Exported] | None:
     try:
         names = json.loads((directory / "complete").read_text())
         return {name: jax.export.deserialize(bytearray((directory / f"{name}.bin").read_bytes())) for name in names}
-    except (OSError, ValueError):
+    except Exception:  # unreadable, or not what `save` writes (a flatbuffer fails in many ways): not used
         return None
 
 

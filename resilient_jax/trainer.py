@@ -423,22 +423,32 @@ class Trainer:
                   "evaluate": None if self.evaluate is None else self.evaluate.jitted}
         return {name: exported_lib.export(jitted[name], program_args) for name, program_args in args.items()}
 
-    def use_exported(self, programs: dict) -> None:
-        """Run this world's step through `programs` (what `export_programs` made for a world of
-        this shape) instead of tracing the model: the same modules, so the same bits."""
+    def exported_calls(self, programs: dict) -> dict:
+        """`programs` (what `export_programs` made for a world of this shape) as this trainer's
+        calls, each checked against the arrays this world passes it; ValueError (KeyError: one is
+        missing) if they do not fit. Nothing changes until `use_exported`."""
         state = self.abstract_state()
         zero = np.int32(0)
-        # All built before any is used: a set that does not fit (ValueError) changes nothing.
-        compute = exported_lib.ExportedCall(programs["compute"], step_lib.GradResult(
-            grads=state.params, loss=zero, shard_loss=zero, shard_finite=zero, row_finite=zero, passes=zero,
-            fits=zero))
-        apply = exported_lib.ExportedCall(programs["apply"], (state, step_lib.ApplyMetrics(grad_norm=zero, lr=zero)),
-                                          donate=exported_lib.donated_leaves(state))
-        evaluate = None if self.evaluate is None else exported_lib.ExportedCall(
-            programs["evaluate"], step_lib.EvalResult(shard_loss=zero, shard_weight=zero))
-        self.compute.jitted, self.apply = compute, apply
-        if evaluate is not None:
-            self.evaluate.jitted = evaluate
+        templates = {
+            "compute": step_lib.GradResult(grads=state.params, loss=zero, shard_loss=zero, shard_finite=zero,
+                                           row_finite=zero, passes=zero, fits=zero),
+            "apply": (state, step_lib.ApplyMetrics(grad_norm=zero, lr=zero)),
+            "evaluate": step_lib.EvalResult(shard_loss=zero, shard_weight=zero),
+        }
+        devices = len(self.mesh.devices.flat)
+        calls = {}
+        for name, args in self._program_args(state).items():
+            calls[name] = exported_lib.ExportedCall(
+                programs[name], templates[name], donate=exported_lib.donated_leaves(state) if name == "apply" else ())
+            calls[name].check(args, devices)
+        return calls
+
+    def use_exported(self, calls: dict) -> None:
+        """Run this world's step through `calls` (`exported_calls`) instead of tracing the model:
+        the modules that tracing it lowers, so the same bits."""
+        self.compute.jitted, self.apply = calls["compute"], calls["apply"]
+        if self.evaluate is not None:
+            self.evaluate.jitted = calls["evaluate"]
 
     def precompile_abstract(self) -> None:
         """`precompile` from the state's shapes and shardings alone: for a world that does not exist

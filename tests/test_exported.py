@@ -42,7 +42,7 @@ def test_a_trainer_calling_the_exported_step_trains_the_same_bits_without_tracin
     direct_eval = _evaluate(first)
 
     later = Trainer(cfg, devices=jax.devices()[:DEVICES])
-    later.use_exported(exported.load(folder))
+    later.use_exported(later.exported_calls(exported.load(folder)))
     # Lowering, compiling and running the later trainer's programs never runs the model's code.
     monkeypatch.setattr(state_lib.ModelDef, "forward", _must_not_trace)
     later.lowered(later.abstract_state())
@@ -80,8 +80,13 @@ def test_an_incomplete_or_foreign_store_is_not_used(tmp_path):
     # A world of another shape (2 devices): its programs take other arrays. Refused whole: the
     # trainer keeps its own step.
     other = Trainer(cfg, devices=jax.devices()[:2])
-    compute, apply = trainer.compute.jitted, trainer.apply
     with pytest.raises(ValueError, match="returns|takes"):
-        trainer.use_exported({**programs, "apply": other.export_programs()["compute"]})
-    assert (trainer.compute.jitted, trainer.apply) == (compute, apply)
+        trainer.exported_calls({**programs, "apply": other.export_programs()["compute"]})
+    with pytest.raises(ValueError, match="takes other arrays|runs on 2 devices"):
+        trainer.exported_calls(other.export_programs())
+    with pytest.raises(KeyError):
+        trainer.exported_calls({"compute": programs["compute"]})
+    (folder / "apply.bin").write_bytes(b"\x00" * 64)  # not a program: the store is not used
+    (folder / "complete").write_text('["apply", "compute"]')
+    assert exported.load(folder) is None
     assert exported.world_key(["us", "eu"], [2, 2]) != exported.world_key(["eu", "us"], [2, 2])

@@ -121,6 +121,15 @@ def test_on_two_machines_or_without_a_cache_every_member_compiles_at_once(two_cl
         assert rank_1[1] < rank_0[2], name  # side by side: nobody waited for rank 0
 
 
+def test_a_choice_all_must_share_holds_only_if_every_member_says_yes(two_clients):
+    for name, words, verdict in [("x0", (True, True), True), ("x1", (True, False), False),
+                                 ("x2", (False, True), False)]:
+        said: dict = {}
+        _all_at_once([lambda r=r: said.__setitem__(r, world.all_agree(name, r, 2, words[r], client=two_clients[r]))
+                      for r in range(2)])
+        assert said == {0: verdict, 1: verdict}, name
+
+
 def test_the_verdict_ends_a_wait_for_rank_0s_compile(two_clients):
     # Rank 0 died before it compiled (here: never publishes anything): the controller's verdict,
     # not the timeouts, ends the follower's wait.

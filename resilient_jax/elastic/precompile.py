@@ -16,6 +16,7 @@ side by side (compile_cache.compile_all), which a recovery without it would spen
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -68,12 +69,7 @@ class Precompiler(threading.Thread):
                                   verified_eval_dataset=self.verified_eval_dataset)
                 t0 = time.perf_counter()
                 if self.exported_dir is not None:
-                    # Exported, then compiled through the stored programs: the cache entries are
-                    # those the new world's members look up when they call the same programs.
-                    per_host = sum(1 for d in self.devices if d.process_index == 0)
-                    folder = self.exported_dir / exported.world_key(regions, [per_host] * n)
-                    exported.save(folder, trainer.export_programs())
-                    trainer.use_exported(exported.load(folder))
+                    self._export(trainer, regions, devices)
                 trainer.precompile_abstract()
                 # Seconds only: the cache counters are per process, and the training thread's own
                 # compiles (first-use helpers) would be counted as this one's.
@@ -89,6 +85,24 @@ class Precompiler(threading.Thread):
             self.on_done(report)
         except Exception as e:
             log.warning("reporting the precompile of generation %d failed: %s", self.generation, e)
+
+    def _export(self, trainer, regions: Sequence[str], devices: Sequence) -> None:
+        """Export `trainer`'s programs for the new world's members to call, and switch `trainer` to
+        them, so that the compile that follows caches what those members will look up. A program
+        that cannot be exported (a custom call jax.export refuses, a full disk) leaves `trainer`
+        as it was: that world's step is compiled ahead as traced, the others are still tried."""
+        counts = [sum(1 for d in devices if d.process_index == p) for p in range(len(regions))]
+        folder = self.exported_dir / exported.world_key(regions, counts)
+        try:
+            exported.save(folder, trainer.export_programs())
+            programs = exported.load(folder)
+            if programs is None:
+                raise ValueError(f"{folder} could not be read back")
+            trainer.use_exported(trainer.exported_calls(programs))
+        except Exception as e:
+            log.warning("the step of a %d-host world (%s) could not be exported (%s: %s); compiling it as traced",
+                        len(regions), ", ".join(regions), type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+            shutil.rmtree(folder, ignore_errors=True)
 
     def stop(self) -> float:
         """Stop between programs; the seconds spent waiting for the one in flight."""

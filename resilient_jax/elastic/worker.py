@@ -43,6 +43,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -405,7 +406,8 @@ class Worker:
         self.resume = options.get("resume")  # for this invocation's first world only
         self.allow_config_change = list(options.get("allow_config_change") or [])
         self.stop_at = options.get("stop_at")
-        self.invocation = options.get("invocation")  # names this invocation's exported programs
+        invocation = options.get("invocation")  # names this invocation's exported programs (a folder)
+        self.invocation = invocation if isinstance(invocation, str) and re.fullmatch("[0-9a-f]{16}", invocation) else None
         self._last_progress: tuple[int, float] | None = None  # (step, perf_counter) of the last progress line
 
     def run(self) -> int:
@@ -571,24 +573,30 @@ class Worker:
 
     def _use_exported(self, trainer, world: dict, members: list[str]) -> bool:
         """Call this world's step through the programs rank 0 exported for a world of its shape
-        (elastic/precompile), if it did: no tracing of the model here, and the programs it
-        compiled are in the cache. Where none are (another machine's run.dir, a world nobody
-        foresaw) the trainer traces its own, as always."""
+        (elastic/precompile), if every member can: no tracing of the model here, and the programs
+        it compiled are in the cache. All or none: programs lowered apart may differ, and the
+        members of one world must run one program. Where any member lacks them (another
+        machine's run.dir, a world nobody foresaw) every member traces its own, as always."""
         from resilient_jax import exported
+        from resilient_jax.elastic import world as world_lib
 
         folder = self._exported_dir()
-        if folder is None:
+        programs = None
+        if folder is not None:
+            key = exported.world_key([world["regions"][h] for h in members],
+                                     [world["devices_per_host"][h] for h in members])
+            programs = exported.load(folder / key)
+        calls = None
+        if programs is not None:
+            try:
+                calls = trainer.exported_calls(programs)
+            except (KeyError, ValueError) as e:  # not this world's programs after all
+                log.warning("generation %d: the exported programs do not fit this world (%s)", self.generation, e)
+        rank = members.index(self.host)
+        if not world_lib.all_agree(f"exported-{self.generation}", rank, len(members), calls is not None,
+                                   aborted=lambda: self.coordinator_port is None):
             return False
-        key = exported.world_key([world["regions"][h] for h in members], [world["devices_per_host"][h] for h in members])
-        programs = exported.load(folder / key)
-        if programs is None:
-            return False
-        try:
-            trainer.use_exported(programs)
-        except (KeyError, ValueError) as e:  # not this world's programs after all: trace our own
-            log.warning("generation %d: the exported programs do not fit this world (%s); tracing the step",
-                        self.generation, e)
-            return False
+        trainer.use_exported(calls)
         log.info("generation %d: calling the step rank 0 exported for a world of this shape", self.generation)
         return True
 

@@ -192,6 +192,26 @@ def compile_world(lower: Callable[[], list], name: str, rank: int, size: int, pl
         client.key_value_set(f"{prefix}/compiled", "1")
 
 
+def all_agree(name: str, rank: int, size: int, mine: bool, *, aborted: Callable[[], bool] = lambda: False,
+              client=None) -> bool:
+    """True only if every member of the world says True (each publishes `mine`, then reads all):
+    for a choice that must be the same on every member, such as which programs they run. `name`:
+    unique in this world."""
+    if size == 1:
+        return mine
+    client = _client(client)
+    prefix = f"resilient_jax/agree/{name}"
+    client.key_value_set(f"{prefix}/{rank}", "1" if mine else "0")
+    verdict = mine
+    for other in range(size):
+        value = _wait_for_key(client, f"{prefix}/{other}", f"rank {other}'s word on {name}", PLACEMENT_WAIT_SECONDS,
+                              aborted, 0.5)
+        if value is None:
+            raise BarrierTimeout(f"rank {other} did not say {name} within {PLACEMENT_WAIT_SECONDS} s")
+        verdict = verdict and value == "1"
+    return verdict
+
+
 def _client(client):
     from jax._src import distributed
 
