@@ -31,8 +31,11 @@ def _train(trainer: Trainer, steps: int, tmp_path) -> tuple[str, float]:
     return params_fingerprint(state.params), float(result.loss)
 
 
-def test_a_trainer_calling_the_exported_step_trains_the_same_bits_without_tracing_the_model(tmp_path, monkeypatch):
-    cfg = tiny_config(tmp_path / "run", "eval.every_steps=2", "eval.holdout_shards=2", "eval.batches=1")  # all three programs
+@pytest.mark.parametrize("layout", [[], ["parallel.tensor=2"]], ids=["data", "tensor"])
+def test_a_trainer_calling_the_exported_step_trains_the_same_bits_without_tracing_the_model(tmp_path, monkeypatch,
+                                                                                           layout):
+    cfg = tiny_config(tmp_path / "run", "eval.every_steps=2", "eval.holdout_shards=2", "eval.batches=1",  # 3 programs
+                      *layout)
     first = Trainer(cfg, devices=jax.devices()[:DEVICES])
     folder = tmp_path / "exported" / exported.world_key(["us", "eu", "eu"], [2, 2, 2])
     programs = first.export_programs()
