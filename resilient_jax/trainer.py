@@ -515,25 +515,19 @@ class Trainer:
                 log.console(f"warning: {warning}")
         loop = StepLoop(self, log, RunTotals(), ckpt, start_step=start,
                         position=resumed.position if resumed else None, history=history)
-        end = cfg.train.steps if self.stop_at is None else min(self.stop_at, cfg.train.steps)
+        end = StepLoop.end_of(cfg.train.steps, self.stop_at)
         step = start
         stopped = None
         try:
-            if step < end or (end == cfg.train.steps and loop.eval_due(step)):  # steps, or the last eval
+            if step < end or (step >= cfg.train.steps and loop.eval_due(step)):  # steps, or the last eval
                 loop.compile(state)
-            while step < end:
-                loop.evaluate_if_due(state, step)
-                state = loop.step(state, step)
-                step += 1
-                if loop.preempted:
+            for state, step in loop.run(state, step, end):
+                if loop.preempted:  # SIGTERM / Ctrl-C: the checkpoint of this step is being written
                     stopped = ckpt.stop_reason or "preempted"
                     break
-            if stopped is None and end < cfg.train.steps:
-                stopped = "stop_at"
-            if stopped is None:
-                loop.evaluate_if_due(state, step)  # the last step's
-            loop.flush_log()
-            ckpt.finish(step, state, loop.data_position())
+            else:
+                stopped = StepLoop.stopped_at_end(step, cfg.train.steps)
+            loop.finish(state, step, stopped=stopped)
             # Only now is the stop clean: the checkpoint of `step` is committed.
             history.end(DONE if step == cfg.train.steps else stopped)
         except BaseException:
@@ -659,6 +653,11 @@ class StepLoop:
     step k+1 (the project's step numbers: step k brings the run to k completed steps). A
     collective failure raises out of `compute` before `apply`, so the caller still holds the state
     after k steps.
+
+    `run` and `finish` are the run loop itself, the same for a single-process run (Trainer.run) and
+    for every world of an elastic run (elastic.worker): evaluate when due, step, hand each boundary
+    to the caller; at the end the last evaluation, the last log line and the final checkpoint.
+    What differs between the two is only what the caller decides at a boundary.
     """
 
     def __init__(self, trainer: Trainer, log: MetricsLog, totals: RunTotals, ckpt: CheckpointSession | None, *,
@@ -675,6 +674,45 @@ class StepLoop:
         self.completed = start_step
         self._applied = None
         self.evaluator = None if trainer.evalset is None else evaluation.Evaluator(trainer)
+        self.on_eval: Callable[[evaluation.EvalRecord], None] | None = None  # the elastic worker reports it
+        self.last_step_seconds = 0.0  # the latest step() call, whole: load, compute, apply, log, save if due
+        self.last_data_wait = 0.0  # of which waiting for this host's input
+
+    @staticmethod
+    def end_of(total: int, stop_at: int | None) -> int:
+        """The completed-step count this invocation trains to: the run's steps, or --stop-at's."""
+        return total if stop_at is None else min(stop_at, total)
+
+    @staticmethod
+    def stopped_at_end(step: int, total: int) -> str | None:
+        """Why a loop that ran to its end stopped: "stop_at" short of the run's steps, else None
+        (the run is complete, even where --stop-at named an earlier step)."""
+        return "stop_at" if step < total else None
+
+    def run(self, state, step: int, end: int, *, before_step: Callable[[int], None] | None = None):
+        """Train from `step` completed steps to `end`: evaluate the state first where due, then
+        `before_step(k)` (the elastic worker's fault hooks and timings), then the step. Yields
+        (state, completed steps) at every step boundary, where the caller decides: go on, or stop
+        the iteration (a preemption checkpoint, the members' agreement to stop or re-form). The
+        caller always holds the newest state it was given, so a step that raises (a dead peer)
+        leaves it the state of the last boundary, never one half-applied."""
+        while step < end:
+            self.evaluate_if_due(state, step)  # before the step: a run that resumes at an eval step evaluates it
+            if before_step is not None:
+                before_step(step)
+            state = self.step(state, step)
+            step += 1
+            yield state, step
+
+    def finish(self, state, step: int, *, stopped: str | None) -> None:
+        """The end of an invocation: the last step's evaluation (a run that ends early, stopped,
+        leaves it to the rerun that reaches it), its last log line, and its final checkpoint,
+        committed before this returns."""
+        if stopped is None:
+            self.evaluate_if_due(state, step)
+        self.flush_log()
+        if self.ckpt is not None:
+            self.ckpt.finish(step, state, self.data_position())
 
     def eval_due(self, completed: int) -> bool:
         cfg = self.trainer.cfg
@@ -689,6 +727,8 @@ class StepLoop:
         record = self.evaluator.run(state.params, completed)
         self.totals.record_eval(record)
         self.log.eval(record.to_event())
+        if self.on_eval is not None:
+            self.on_eval(record)
         return record
 
     def compile(self, state) -> float:
@@ -706,6 +746,7 @@ class StepLoop:
         cfg, totals = self.trainer.cfg, self.totals
         waited = self.loader.wait_seconds
         t0 = time.perf_counter()
+        self.last_step_seconds = self.last_data_wait = 0.0
         result = self.trainer.compute_finite(state.params, self.loader, step, totals, self.log)
         state, applied = self.trainer.apply(state, result.grads, np.int32(step))
         loss = float(result.loss)
@@ -722,6 +763,8 @@ class StepLoop:
         self.log.advance()
         if self.ckpt is not None and self.ckpt.after_step(done, state, self.loader.position()):
             self.preempted = True
+        self.last_step_seconds = time.perf_counter() - t0
+        self.last_data_wait = min(data_wait, self.last_step_seconds)
         return state
 
     def set_layout(self, device_counts: list[int], from_step: int) -> None:

@@ -8,7 +8,9 @@ one transition table; every transition is logged with its reason):
        +------------- LEAVING <-- a collective failed (at any of these states),
                                   or the members agreed to change the world
 
-TRAINING runs the two-phase step. A failed collective raises inside `compute`, which never touches
+TRAINING runs the run loop a single-process run runs (trainer.StepLoop.run: evaluate when due,
+the two-phase step, a boundary); what the worker adds is its decision at each boundary, below.
+A failed collective raises inside `compute`, which never touches
 the state, so the state of the last completed step is still on this host's devices: it is copied
 to host memory, the JAX world is left (shutdown, clear backends) and the controller is asked for
 the next world. There every member adopts the state of the member that completed the most steps,
@@ -560,7 +562,7 @@ class Worker:
                        "reduction_order": trainer.reduction_order()})
         loop = StepLoop(trainer, metrics, self.totals, ckpt, start_step=start, position=position)
         try:
-            event, reason = self._steps(trainer, loop, ckpt, state, start)
+            event, reason = self._steps(trainer, loop, state, start)
             self.life.fire(event, reason)
         finally:
             loop.close()
@@ -577,15 +579,22 @@ class Worker:
         it compiled are in the cache. All or none: programs lowered apart may differ, and the
         members of one world must run one program. Where any member lacks them (another
         machine's run.dir, a world nobody foresaw) every member traces its own, as always."""
+        import jax
+
         from resilient_jax import exported
+        from resilient_jax.elastic import precompile
         from resilient_jax.elastic import world as world_lib
 
         folder = self._exported_dir()
-        programs = None
-        if folder is not None:
-            key = exported.world_key([world["regions"][h] for h in members],
-                                     [world["devices_per_host"][h] for h in members])
-            programs = exported.load(folder / key)
+        # Where no rank 0 of this invocation exports (the setting, the platform: the same for every
+        # member), every member skips the agreement below alike: no exchange in a world formation.
+        # Not this host's own cache_on: a host whose cache is off must still take part in it.
+        if folder is None or not precompile.wanted(self.cfg.runtime.precompile_next_worlds,
+                                                   jax.devices()[0].platform, cache_on=True):
+            return False
+        key = exported.world_key([world["regions"][h] for h in members],
+                                 [world["devices_per_host"][h] for h in members])
+        programs = exported.load(folder / key)
         calls = None
         if programs is not None:
             try:
@@ -726,13 +735,14 @@ class Worker:
             self.coordinator_port = None
         world_lib.leave(before_reset=None if ckpt is None else ckpt.close)
 
-    def _steps(self, trainer, loop, ckpt, state, step: int) -> tuple[Event, str]:
+    def _steps(self, trainer, loop, state, step: int) -> tuple[Event, str]:
         """Run steps until the run ends or this world must be left; the event that ends the
         TRAINING state, and why. `step`: steps completed so far (the loop index of the next step)."""
         import jax
         from jax.experimental import multihost_utils
 
         from resilient_jax.elastic import world as world_lib
+        from resilient_jax.trainer import StepLoop
 
         first = True
         clock = self.heartbeat.clock
@@ -744,26 +754,26 @@ class Worker:
         self.heartbeat.step = step  # where this world starts (a resume from disk starts past 0)
         self._last_progress = None  # tokens/s windows do not span a re-formation
         first_of_world = True  # its timings carry warm-up: not planned from
+        loop.on_eval = self._on_eval
+        held = 0.0  # seconds the step's fault hooks held this host before the step started
+
+        def before_step(k: int) -> None:  # after the evaluation: its seconds are neither ready time nor step
+            nonlocal held
+            ready_from = time.perf_counter()
+            self.faults.before_step(k, clock, shares.share(), precompiled=self.heartbeat.precompiled)
+            clock.started_at = time.perf_counter()
+            held = clock.started_at - ready_from
+
+        end = StepLoop.end_of(total, self.stop_at)  # the same step on every member
         try:
-            while step < total:
-                if self.stop_at is not None and step >= self.stop_at:  # the same step on every member
-                    return self._finish(trainer, loop, ckpt, state, step, stopped="stop_at")
-                # Before the step, not after it: a world that resumes at an eval step evaluates it
-                # (its step timings leave evaluating out).
-                self._evaluate(loop, state, step)
-                ready_from = time.perf_counter()
-                self.faults.before_step(step, clock, shares.share(), precompiled=self.heartbeat.precompiled)
-                waited = loop.loader.wait_seconds
-                t0 = clock.started_at = time.perf_counter()
-                state = loop.step(state, step)
+            for state, step in loop.run(state, step, end, before_step=before_step):
                 clock.started_at = None
-                seconds = time.perf_counter() - t0
+                seconds = loop.last_step_seconds
                 clock.recent.append(seconds)
-                self.kept.completed_step = step
-                step += 1  # the step just run is step `step` in the run's numbering
+                self.kept.completed_step = step - 1  # the loop index of the step just run
                 # Waiting for this host's input is host-side time, not time inside the step.
-                data_wait = min(loop.loader.wait_seconds - waited, seconds)
-                ready, seconds_in_step = t0 - ready_from + data_wait, seconds - data_wait
+                data_wait = loop.last_data_wait
+                ready, seconds_in_step = held + data_wait, seconds - data_wait
                 self.heartbeat.record(step, ready, seconds_in_step, shares.mine())
                 if first:
                     self.client.call("/progress", retry_seconds=5, host=self.host, generation=self.generation,
@@ -786,12 +796,12 @@ class Worker:
                 if decision is not None:
                     self._reassigned(decision, loop, step, started=planned_from)
                 if agreed[1] and step < total:
-                    return self._finish(trainer, loop, ckpt, state, step, stopped=STOP_REASONS[int(agreed[1])])
+                    return self._finish(trainer, loop, state, step, stopped=STOP_REASONS[int(agreed[1])])
                 if agreed[0] > self.generation and step < total:
                     loop.flush_log()  # the steps since the last line, before this world's loop closes
                     self._keep(self._to_host(state), loop)
                     return Event.WORLD_CHANGE, f"the members agreed after step {step}"
-            return self._finish(trainer, loop, ckpt, state, step, stopped=None)
+            return self._finish(trainer, loop, state, step, stopped=StepLoop.stopped_at_end(step, total))
         except (jax.errors.JaxRuntimeError, world_lib.WorldAborted, world_lib.BarrierTimeout) as e:
             # WorldAborted, BarrierTimeout: a member died while the world compiled a program a step
             # needed (the exact sum's second pass, Trainer.compile_midrun).
@@ -816,14 +826,11 @@ class Worker:
             loop.log.event({**event, "generation": self.generation})
             self.heartbeat.report_reassignment(event)  # with the next heartbeat: the step never waits
 
-    def _finish(self, trainer, loop, ckpt, state, step: int, *, stopped: str | None) -> tuple[Event, str]:
+    def _finish(self, trainer, loop, state, step: int, *, stopped: str | None) -> tuple[Event, str]:
         """The last checkpoint (committed before returning), then the summary from rank 0."""
         import jax
 
-        if stopped is None:
-            self._evaluate(loop, state, step)  # the last step's
-        loop.flush_log()
-        ckpt.finish(step, state, loop.data_position())
+        loop.finish(state, step, stopped=stopped)
         summary = trainer.summarize(state, self.totals, time.perf_counter() - self.started, loop.data_position())
         summary.update(final_step=step, stopped=stopped, state_seconds=self.life.totals())
         if stopped:
@@ -833,13 +840,13 @@ class Worker:
                              reassignments=self.heartbeat.take_reassignments(), evals=self.heartbeat.take_evals())
         return (Event.STOPPED, f"{stopped} at step {step}") if stopped else (Event.FINISHED, f"step {step}")
 
-    def _evaluate(self, loop, state, step: int) -> None:
-        record = loop.evaluate_if_due(state, step)
-        if record is not None:
-            self.heartbeat.report_eval(record.to_event())
-            if self._last_progress is not None:  # tokens/s counts training time, not evaluating
-                last_step, at = self._last_progress
-                self._last_progress = (last_step, at + record.seconds)
+    def _on_eval(self, record) -> None:
+        """An evaluation this world's loop ran: to the controller with the next heartbeat, and out
+        of the tokens/s window (it counts training time, not evaluating)."""
+        self.heartbeat.report_eval(record.to_event())
+        if self._last_progress is not None:
+            last_step, at = self._last_progress
+            self._last_progress = (last_step, at + record.seconds)
 
     def _report_progress(self, step: int, seconds: float, loop) -> None:
         """Every train.log_every steps (and the first and last): loss and tokens/s over the window,
