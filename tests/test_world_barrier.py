@@ -136,7 +136,7 @@ def test_the_verdict_ends_a_wait_for_rank_0s_compile(two_clients):
     log: list = []
     t0 = time.monotonic()
     follower = two_clients[1]
-    follower.key_value_set("resilient_jax/compile/g3/placement/0", "boot-a /cache")  # rank 0 said where it runs
+    world.publish("g3/placement", 0, "boot-a /cache", client=follower)  # rank 0 said where it runs
     with pytest.raises(world.WorldAborted):
         world.compile_world(lambda: [_Program(1, log, 0.0)], "g3", 1, 2, "cpu", placement="boot-a /cache",
                             client=follower, aborted=lambda: time.monotonic() - t0 > 0.5)
@@ -147,7 +147,7 @@ def test_a_follower_that_waits_too_long_compiles_itself(two_clients, monkeypatch
     monkeypatch.setattr(world, "LEADER_COMPILE_WAIT_SECONDS", 0.3)
     log: list = []
     follower = two_clients[1]
-    follower.key_value_set("resilient_jax/compile/g4/placement/0", "boot-a /cache")
+    world.publish("g4/placement", 0, "boot-a /cache", client=follower)
     world.compile_world(lambda: [_Program(1, log, 0.0)], "g4", 1, 2, "cpu", placement="boot-a /cache",
                         client=follower)
     assert [e[0] for e in log] == [1]

@@ -171,45 +171,54 @@ def compile_world(lower: Callable[[], list], name: str, rank: int, size: int, pl
         compile_cache.compile_all(lower())
         return
     client = _client(client)
-    prefix = f"resilient_jax/compile/{name}"
-    client.key_value_set(f"{prefix}/placement/{rank}", compile_cache.placement() if placement is None else placement)
+    publish(f"{name}/placement", rank, compile_cache.placement() if placement is None else placement, client=client)
     programs = lower()
-    placements = []
-    for other in range(size):
-        value = _wait_for_key(client, f"{prefix}/placement/{other}", f"the placement of rank {other}",
-                              PLACEMENT_WAIT_SECONDS, aborted, 0.5)
-        if value is None:
-            raise BarrierTimeout(f"rank {other} did not say where it runs within {PLACEMENT_WAIT_SECONDS} s")
-        placements.append(value)
+    placements = read_all(f"{name}/placement", size, aborted=aborted, client=client)
     once = compile_cache.leader_compiles(placements, platform)
     if once and rank != 0:
-        if _wait_for_key(client, f"{prefix}/compiled", "rank 0's compile", LEADER_COMPILE_WAIT_SECONDS, aborted,
-                         0.5) is None:
+        if _wait_for_key(client, f"resilient_jax/compile/{name}/compiled", "rank 0's compile",
+                         LEADER_COMPILE_WAIT_SECONDS, aborted, 0.5) is None:
             log.warning("%s: rank 0 had not compiled its programs after %d s; compiling here", name,
                         LEADER_COMPILE_WAIT_SECONDS)
     compile_cache.compile_all(programs)
     if rank == 0:
-        client.key_value_set(f"{prefix}/compiled", "1")
+        client.key_value_set(f"resilient_jax/compile/{name}/compiled", "1")
+
+
+def publish(name: str, rank: int, value: str, *, client=None) -> None:
+    """This member's word on `name` (a placement, a yes or no), for `read_all`. `name`: unique in this world."""
+    _client(client).key_value_set(f"resilient_jax/word/{name}/{rank}", value)
+
+
+def read_all(name: str, size: int, *, aborted: Callable[[], bool] = lambda: False, client=None) -> list[str]:
+    """Every member's word on `name`, in rank order, once each has published it: each member reads
+    the same list, so decisions made from it are the same on every member."""
+    client = _client(client)
+    words = []
+    for other in range(size):
+        value = _wait_for_key(client, f"resilient_jax/word/{name}/{other}", f"rank {other}'s word on {name}",
+                              PLACEMENT_WAIT_SECONDS, aborted, 0.5)
+        if value is None:
+            raise BarrierTimeout(f"rank {other} did not say {name} within {PLACEMENT_WAIT_SECONDS} s")
+        words.append(value)
+    return words
+
+
+def exchange(name: str, rank: int, size: int, mine: str, *, aborted: Callable[[], bool] = lambda: False,
+             client=None) -> list[str]:
+    """`publish` then `read_all`: every member's word on `name`, in rank order."""
+    if size == 1:
+        return [mine]
+    publish(name, rank, mine, client=client)
+    return read_all(name, size, aborted=aborted, client=client)
 
 
 def all_agree(name: str, rank: int, size: int, mine: bool, *, aborted: Callable[[], bool] = lambda: False,
               client=None) -> bool:
-    """True only if every member of the world says True (each publishes `mine`, then reads all):
-    for a choice that must be the same on every member, such as which programs they run. `name`:
-    unique in this world."""
-    if size == 1:
-        return mine
-    client = _client(client)
-    prefix = f"resilient_jax/agree/{name}"
-    client.key_value_set(f"{prefix}/{rank}", "1" if mine else "0")
-    verdict = mine
-    for other in range(size):
-        value = _wait_for_key(client, f"{prefix}/{other}", f"rank {other}'s word on {name}", PLACEMENT_WAIT_SECONDS,
-                              aborted, 0.5)
-        if value is None:
-            raise BarrierTimeout(f"rank {other} did not say {name} within {PLACEMENT_WAIT_SECONDS} s")
-        verdict = verdict and value == "1"
-    return verdict
+    """True only if every member of the world says True: for a choice that must be the same on
+    every member, such as which programs they run. `name`: unique in this world."""
+    return all(word == "1" for word in exchange(f"agree/{name}", rank, size, "1" if mine else "0",
+                                                aborted=aborted, client=client))
 
 
 def _client(client):
