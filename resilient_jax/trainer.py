@@ -746,7 +746,6 @@ class StepLoop:
         cfg, totals = self.trainer.cfg, self.totals
         waited = self.loader.wait_seconds
         t0 = time.perf_counter()
-        self.last_step_seconds = self.last_data_wait = 0.0
         result = self.trainer.compute_finite(state.params, self.loader, step, totals, self.log)
         state, applied = self.trainer.apply(state, result.grads, np.int32(step))
         loss = float(result.loss)

@@ -174,15 +174,15 @@ def compile_world(lower: Callable[[], list], name: str, rank: int, size: int, pl
     publish(f"{name}/placement", rank, compile_cache.placement() if placement is None else placement, client=client)
     programs = lower()
     placements = read_all(f"{name}/placement", size, aborted=aborted, client=client)
+    compiled = f"resilient_jax/compile/{name}/compiled"
     once = compile_cache.leader_compiles(placements, platform)
     if once and rank != 0:
-        if _wait_for_key(client, f"resilient_jax/compile/{name}/compiled", "rank 0's compile",
-                         LEADER_COMPILE_WAIT_SECONDS, aborted, 0.5) is None:
+        if _wait_for_key(client, compiled, "rank 0's compile", LEADER_COMPILE_WAIT_SECONDS, aborted, 0.5) is None:
             log.warning("%s: rank 0 had not compiled its programs after %d s; compiling here", name,
                         LEADER_COMPILE_WAIT_SECONDS)
     compile_cache.compile_all(programs)
     if rank == 0:
-        client.key_value_set(f"resilient_jax/compile/{name}/compiled", "1")
+        client.key_value_set(compiled, "1")
 
 
 def publish(name: str, rank: int, value: str, *, client=None) -> None:
