@@ -22,7 +22,7 @@ from pathlib import Path
 
 from resilient_jax import gpu_env
 
-from resilient_jax.config import Config, ConfigError
+from resilient_jax.config import BUILTIN_MODEL, DEFAULT_LOSS, Config, ConfigError
 from resilient_jax.faults import ELASTIC_ONLY, Fault, parse_faults
 
 
@@ -78,8 +78,12 @@ def check_eval_data(cfg: Config, faults: list[Fault], shards: int) -> None:
 def check_plugins(cfg: Config) -> None:
     from resilient_jax.plugins import load_callable
 
-    load_callable(cfg.model.factory, "model.factory", cfg.task.import_dir)
-    load_callable(cfg.task.loss, "task.loss", cfg.task.import_dir)
+    # The built-in model and loss always load (their tests import them); importing them here would
+    # only put a second of JAX and Flax imports on an elastic launch's path before any worker starts.
+    for key, spec, builtin in (("model.factory", cfg.model.factory, BUILTIN_MODEL),
+                               ("task.loss", cfg.task.loss, DEFAULT_LOSS)):
+        if spec != builtin:
+            load_callable(spec, key, cfg.task.import_dir)
 
 
 def check_faults(cfg: Config, faults: list[Fault]) -> None:

@@ -218,3 +218,29 @@ def test_a_mesh_that_cannot_split_a_user_models_param_is_refused_naming_the_axis
         model_def.check_layout({"data": 1, "fsdp": 1, "tensor": 4})
     assert str(e.value) == ("parallel.tensor (4) must divide dim 'vocab' (250) of param table (250, 250) of "
                             "model.factory h13_user_models:good; use a tensor size in [1, 2, 5, 10, 25, 50]")
+
+
+def test_the_preflight_of_an_elastic_launch_imports_no_jax_and_still_imports_your_plugin(user_dir, tmp_path):
+    # The elastic driver runs the preflight before it starts any worker: JAX, Flax and grain there
+    # would delay every launch by their imports. A factory of your own is still imported and checked.
+    import subprocess
+    import sys
+
+    script = textwrap.dedent(f"""
+        import sys
+        from resilient_jax.config import ConfigError, load_config
+        from resilient_jax.preflight import check_run
+        cfg = load_config({str(REPO / "configs" / "cpu-4host.yaml")!r}, ["run.dir={tmp_path / 'run'}"])
+        check_run(cfg)
+        print(sorted(m for m in ("jax", "flax", "grain", "orbax") if m in sys.modules))
+        try:
+            check_run(load_config({str(REPO / "configs" / "cpu-4host.yaml")!r},
+                                  ["run.dir={tmp_path / 'run'}", "model.factory=h13_user_models:nope",
+                                   "task.import_dir={user_dir}"]))
+        except ConfigError as e:
+            print(e)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, check=True).stdout
+    imported, error = out.splitlines()
+    assert imported == "[]"
+    assert error.startswith("config key model.factory: module 'h13_user_models' has no attribute 'nope'"), error
