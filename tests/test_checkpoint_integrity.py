@@ -149,6 +149,10 @@ def test_missing_or_corrupt_commit_manifest_is_one_line_naming_it(copy, damage):
     problem = "is missing" if damage == "missing" else "does not match its own crc32c"
     assert line.startswith(f"error: checkpoint {step_dir}: commit: commit/process_0.json: {problem}"), line
     assert line.endswith(f"resume from the older step 1 (--resume {copy / '1'}) after verifying it"), line
+    inspected = run_cli("resilient_jax.checkpoint", "inspect", str(step_dir), "--brief")
+    assert inspected.returncode == 2 and "Traceback" not in inspected.stderr, inspected.stderr
+    [line] = inspected.stderr.splitlines()
+    assert "commit/process_0.json" in line and problem in line, line
 
 
 def test_corrupt_orbax_manifest_item_is_one_line_naming_it(copy):
@@ -248,3 +252,43 @@ def test_a_step_is_unlisted_before_retention_deletes_any_of_its_files(tmp_path):
     reopened = CheckpointStore(root)
     assert reopened.removed_temporary == [root / "1"] and reopened.steps() == [2]
     reopened.close()
+
+
+@pytest.mark.parametrize("odd", ["pc%41", "hash#mark", "what?"])
+def test_a_directory_name_with_url_characters_reads_its_own_arrays(saved, tmp_path, odd):
+    # '%41' is 'A' in a URL: a decoy step under pcA/ holds step 1's arrays where a URL-built path
+    # would look, and '#' or '?' would cut the path short.
+    root = tmp_path / odd / "ckpt"
+    shutil.copytree(saved, root)
+    shutil.copytree(saved / "1", tmp_path / "pcA" / "ckpt" / "2")
+    assert reader.verify(root / "2", deep=True) == []
+    got, want = reader.flatten(reader.load(root / "2").weights), reader.flatten(reader.load(saved / "2").weights)
+    assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)
+
+
+def test_a_numbered_directory_no_save_wrote_is_refused_by_name_and_kept(tmp_path):
+    # A job's output in a shared scratch directory: orbax would take it for a step, list it and
+    # in time delete it. The store refuses the root instead, and removes nothing.
+    root = tmp_path / "scratch"
+    (root / "12345").mkdir(parents=True)
+    (root / "12345" / "results.txt").write_text("a day of work")
+    with pytest.raises(CheckpointError, match=r"checkpoint .*scratch: checkpoint.dir: holds 12345/, a numbered "
+                                              r"directory that no checkpoint save wrote; .* move it away"):
+        CheckpointStore(root)
+    assert (root / "12345" / "results.txt").read_text() == "a day of work"
+    assert reader.uncommitted_dirs(root) == [] and reader.foreign_dirs(root) == [root / "12345"]
+
+
+def test_retention_counts_only_committed_steps_and_leaves_format_1_checkpoints_alone(saved, tmp_path):
+    root = tmp_path / "ckpt"
+    for legacy in ("100", "200"):  # later step numbers than the run's: "keep the newest" must not pick them
+        shutil.copytree(saved / "1", root / legacy)
+        shutil.rmtree(root / legacy / commit.COMMIT_DIR)
+        manifest = reader.context_file(root / legacy, reader.MANIFEST)
+        manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "format_version": 1}))
+    store = CheckpointStore(root, async_save=True, keep=lambda steps: set(sorted(steps)[-2:]))
+    for step in (1, 2, 3):
+        store.save(step, _device_state(step), _context(step))
+    store.close()
+    assert reader.list_steps(root) == [2, 3]
+    assert sorted(p.name for p in root.iterdir()) == ["100", "2", "200", "3"]

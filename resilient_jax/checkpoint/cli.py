@@ -39,7 +39,10 @@ def _short(sha: str | None, n: int = 12) -> str:
 
 def field_digest(step_dir: Path, name: str) -> str:
     """One digest per array field: sha256 over the sorted "path crc32c" lines of its committed files."""
-    files = commit.read(step_dir)
+    try:
+        files = commit.read(step_dir)
+    except commit.CommitError as e:  # a damaged commit manifest: one line naming it, as verify says
+        raise reader.commit_problem(step_dir, e) from None
     lines = "".join(f"{rel} {e['crc32c']}\n" for rel, e in sorted(files.items()) if reader.field_of(rel) == name)
     return hashlib.sha256(lines.encode()).hexdigest()
 

@@ -100,16 +100,37 @@ def list_steps(root: str | Path) -> list[int]:
     return sorted(int(p.name) for p in root.iterdir() if is_step_dir(p) and commit.is_committed(p))
 
 
+# What a step directory of ours holds: orbax's metadata and commit marker, the commit manifest, one
+# item per field. A numbered directory holding anything else was not written here.
+STEP_ENTRIES = frozenset({"_CHECKPOINT_METADATA", "commit_success.txt", commit.COMMIT_DIR, MANIFEST,
+                          *ARRAY_FIELDS, *CONTEXT_FIELDS})
+
+
+def written_here(step_dir: Path) -> bool:
+    """Every entry of the numbered directory is one a save of ours writes (an empty one too: what a
+    removal killed at its end leaves)."""
+    return all(e.name in STEP_ENTRIES or TMP_MARKER in e.name for e in step_dir.iterdir())
+
+
+def foreign_dirs(root: str | Path) -> list[Path]:
+    """Numbered directories under a checkpoint root that no save of ours wrote (a job's output, a
+    scratch folder): never listed, never removed -- the store refuses a root that holds one."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if is_step_dir(p) and not written_here(p))
+
+
 def uncommitted_dirs(root: str | Path) -> list[Path]:
     """Step directories orbax renamed into place whose commit manifest was never completed (the
-    writer was killed between the two). Checkpoints of format 1 (no commit manifest) are not
-    listed here: they are not ours to remove."""
+    writer was killed between the two). Checkpoints of format 1 (no commit manifest) and numbered
+    directories no save of ours wrote are not listed here: they are not ours to remove."""
     root = Path(root)
     if not root.is_dir():
         return []
     out = []
     for p in sorted(root.iterdir()):
-        if is_step_dir(p) and not commit.is_committed(p):
+        if is_step_dir(p) and not commit.is_committed(p) and written_here(p):
             try:
                 legacy = json.loads(context_file(p, MANIFEST).read_text()).get("format_version") == 1
             except (OSError, ValueError, AttributeError):
@@ -228,7 +249,9 @@ def _check_consistent(step_dir: Path, manifest: dict[str, Any], context: dict[st
 def _open_array(item_dir: Path, name: str) -> ts.TensorStore:
     spec = {
         "driver": "zarr",
-        "kvstore": {"driver": "ocdbt", "base": f"file://{item_dir.resolve()}/"},
+        # A spec, not a "file://" URL: a URL would read '%41' in a directory name as 'A' (another
+        # directory's arrays) and cut the path at '#' or '?'.
+        "kvstore": {"driver": "ocdbt", "base": {"driver": "file", "path": f"{item_dir.resolve()}/"}},
         "path": name,
     }
     return ts.open(spec, open=True, read=True).result()

@@ -125,15 +125,20 @@ class _UncommitFirst:
 
 
 class _Retention:
-    """Adapts `keep(steps) -> set` (SavePolicy.keep) to orbax's PreservationPolicy protocol."""
+    """Adapts `keep(steps) -> set` (SavePolicy.keep) to orbax's PreservationPolicy protocol, over
+    the committed steps only. Orbax offers every numbered directory, checkpoints of format 1
+    included: counted as steps, they would push the run's own checkpoints out ("the newest is never
+    deleted" would protect one of them)."""
 
-    def __init__(self, keep: Callable[[Sequence[int]], set[int]]):
-        self._keep = keep
+    def __init__(self, keep: Callable[[Sequence[int]], set[int]], root: Path, saving: Callable[[], int | None]):
+        """`saving()`: the step being saved (orbax asks while it starts that save, before its commit)."""
+        self._keep, self._root, self._saving = keep, root, saving
 
     def should_preserve(self, checkpoints, *, context):
         del context
-        kept = self._keep([c.step for c in checkpoints])
-        return [c.step in kept for c in checkpoints]
+        ours = set(reader.list_steps(self._root)) | {self._saving()}
+        kept = self._keep([c.step for c in checkpoints if c.step in ours])
+        return [c.step in kept or c.step not in ours for c in checkpoints]
 
 
 # Orbax splits a replicated array into slices written by different replicas ("replica parallel").
@@ -210,6 +215,11 @@ class CheckpointStore:
                  keep: Callable[[Sequence[int]], set[int]] | None = None):
         self.root = Path(root)
         check_writable(self.root)
+        foreign = reader.foreign_dirs(self.root)
+        if foreign:  # orbax would take it for a step: list it, and in time delete it
+            raise CheckpointError(self.root, "checkpoint.dir", f"holds {foreign[0].name}/, a numbered directory that "
+                                  "no checkpoint save wrote; checkpoints need a directory of their own: move it "
+                                  "away, or set checkpoint.dir to another directory")
         if jax.process_index() == 0:
             # Orbax can also do this (cleanup_tmp_directories) but in the background; doing it here
             # means a store that opened has no leftovers, which the kill tests check.
@@ -237,7 +247,8 @@ class CheckpointStore:
             # controller's verdict aborts collectives, not coordination-service barriers); the
             # ordering that barrier gave is the collective above.
             create=False,
-            preservation_policy=_Retention(keep) if keep is not None else None,
+            preservation_policy=(_Retention(keep, self.root, lambda: self._pending_step) if keep is not None
+                                 else None),
             save_root_metadata=False,
         )
         self._manager = _CommittingManager(self.root, options=options, item_handlers=handlers)
