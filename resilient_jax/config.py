@@ -12,6 +12,7 @@ the changed keys.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import hashlib
 import inspect
 import io
@@ -540,7 +541,9 @@ RANGES: dict[str, Bound] = {
 OFF_SWITCH_KEYS = ("runtime.compile_cache",)
 
 PATH_KEYS = ("run.dir", "checkpoint.dir", "data.dataset", "data.src", "eval.dataset", "runtime.compile_cache",
-             "task.import_dir")
+             "task.import_dir", "data.tokenizer")
+# data.tokenizer kinds whose spec is `KIND:PATH` (resilient_jax.data.tokenizer's file tokenizers).
+TOKENIZER_FILE_KINDS = ("hf", "sp")
 
 
 def config_hash(cfg: Config) -> str:
@@ -574,14 +577,21 @@ def absolute_path(path: str) -> str:
 def resolve_paths(cfg: Config) -> Config:
     """The config with every path key absolute ("", data.src "default" and runtime.compile_cache
     "auto" / "off" keep their meaning)."""
-    def fix(value: str, keep: tuple[str, ...] = ("", "default")) -> str:
+    # Only the keywords a key gives a meaning keep their text: for any other key "default" is just a
+    # relative directory name, and a relative run.dir / checkpoint.dir fails at the first save.
+    def fix(value: str, keep: tuple[str, ...] = ("",)) -> str:
         return value if value in keep else absolute_path(value)
+
+    def fix_tokenizer(spec: str) -> str:  # only the PATH of hf:PATH / sp:PATH; `bytes` is a name
+        kind, sep, path = spec.partition(":")
+        return f"{kind}:{absolute_path(path)}" if sep and kind in TOKENIZER_FILE_KINDS and path else spec
 
     return dataclasses.replace(
         cfg,
         run=dataclasses.replace(cfg.run, dir=fix(cfg.run.dir)),
         checkpoint=dataclasses.replace(cfg.checkpoint, dir=fix(cfg.checkpoint.dir)),
-        data=dataclasses.replace(cfg.data, dataset=fix(cfg.data.dataset), src=fix(cfg.data.src)),
+        data=dataclasses.replace(cfg.data, dataset=fix(cfg.data.dataset), src=fix(cfg.data.src, ("", "default")),
+                                 tokenizer=fix_tokenizer(cfg.data.tokenizer)),
         eval=dataclasses.replace(cfg.eval, dataset=fix(cfg.eval.dataset)),
         runtime=dataclasses.replace(cfg.runtime, compile_cache=fix(cfg.runtime.compile_cache, ("", "auto", "off"))),
         task=dataclasses.replace(cfg.task, import_dir=fix(cfg.task.import_dir, ("",))),
@@ -671,7 +681,21 @@ def _parse_override(item: str) -> tuple[str, Any]:
         value = yaml.safe_load(text) if text.strip() else ""
     except yaml.YAMLError:
         value = text
+    if not isinstance(value, str) and _is_text_key(key):
+        # A text key takes the text as typed: YAML would read run.dir=010 as the int 8 and
+        # text_field=no as false, and str() of those is not what was asked for.
+        value = text.strip()
     return key, value
+
+
+def _is_text_key(key: str) -> bool:
+    """Whether the dotted `key` names a str field of the config (False for unknown keys)."""
+    node: Any = Config
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(node) or part not in (hints := typing.get_type_hints(node)):
+            return False
+        node = hints[part]
+    return node is str
 
 
 def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
@@ -765,21 +789,31 @@ def _coerce(value: Any, typ: Any, key: str) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif typ is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
+            number = float(value)
+        elif isinstance(value, str):
             # YAML 1.1 reads "1e-3" (no dot) as a string; accept any numeral Python accepts.
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
+        if number is not None:
+            # NaN compares false to every bound and inf passes a lower one, so the range check
+            # cannot catch them; config.json would not be valid JSON either.
+            if not math.isfinite(number):
+                raise ConfigError(f"config key {key}: must be a finite number, got {number}")
+            return number
     elif typ is str:
         if isinstance(value, str):
             return value
         if value is False and key in OFF_SWITCH_KEYS:
             return "off"  # YAML 1.1 reads a bare `off` as false
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return str(value)
+        if isinstance(value, (bool, int, float, datetime.date)):
+            # str() of what YAML made of it would not be the text written: 010 is 8, 1.10 is 1.1,
+            # no is false. Only the file knows what was meant.
+            raise ConfigError(f"config key {key}: expected text, got {value!r} (YAML reads an unquoted "
+                              f"number, yes/no, on/off or date as such); put the value in quotes")
     else:  # pragma: no cover - a field type this module does not know is a programming error
         raise TypeError(f"config field {key} has unsupported type {typ}")
     raise ConfigError(f"config key {key}: expected {typ.__name__}, got {value!r}")

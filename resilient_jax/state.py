@@ -9,9 +9,13 @@ the state ever exists on one device unless the mesh says so.
 from __future__ import annotations
 
 import functools
+import os
+import sysconfig
+import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import flax
 import jax
 import jax.numpy as jnp
 import optax
@@ -66,7 +70,14 @@ class ModelDef:
         """Refuse (one ConfigError line) a model whose logits are not float [B, seq_len, >= vocab_size]."""
         abstract_params = self.abstract_params
         tokens = jax.ShapeDtypeStruct((2, seq_len), jnp.int32)
-        out = jax.eval_shape(self.forward, abstract_params, tokens)
+        try:
+            out = jax.eval_shape(self.forward, abstract_params, tokens)
+        except ConfigError:
+            raise
+        except Exception as e:
+            if self.builtin:
+                raise  # the framework's own model: a bug to see whole, not a config to fix
+            raise _factory_error(f"the model of {self.cfg.factory}, called on tokens [2, {seq_len}],", e) from None
         shape, dtype = getattr(out, "shape", None), getattr(out, "dtype", None)
         if (shape is None or len(shape) != 3 or tuple(shape[:2]) != (2, seq_len) or shape[2] < vocab_size
                 or not jnp.issubdtype(dtype, jnp.floating)):
@@ -139,16 +150,35 @@ def make_model_def(cfg: ModelConfig, import_dir: str = "") -> ModelDef:
 
     try:
         abstract = nnx.eval_shape(lambda: _build_model(build, 0))
-    except (TypeError, KeyError) as e:
+    except ConfigError:
+        raise
+    except Exception as e:
         if cfg.factory == BUILTIN_MODEL:
-            raise
-        raise ConfigError(f"config key model.factory: {cfg.factory}(model.args={args}, rngs) raised "
-                          f"{type(e).__name__}: {e}") from None
+            raise  # the framework's own model: a bug to see whole, not a config to fix
+        raise _factory_error(f"{cfg.factory}(model.args={args}, rngs)", e) from None
     graphdef, state = nnx.split(abstract, nnx.Param)
     specs = nnx.to_pure_dict(nnx.get_partition_spec(state))
     logical = jax.tree.map(tuple, specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
     _check_logical_axes(cfg.factory, nnx.to_pure_dict(state), logical)
     return ModelDef(cfg=cfg, graphdef=graphdef, template=state, logical_axes=logical, build=build)
+
+
+# Frames in these directories are the framework's, JAX's or Python's; the innermost frame outside
+# them is where the user's code failed.
+_LIBRARY_DIRS = tuple({os.path.dirname(os.path.abspath(module.__file__)) + os.sep for module in (models, jax, flax)}
+                      | {os.path.abspath(sysconfig.get_path(name)) + os.sep
+                         for name in ("stdlib", "platstdlib", "purelib", "platlib")})
+
+
+def _factory_error(what: str, e: BaseException) -> ConfigError:
+    """One line for an exception raised by a model of the user's: the key, the exception and the
+    user's file:line (the whole traceback is mostly JAX's and flax's tracing machinery)."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if not os.path.abspath(f.filename).startswith(_LIBRARY_DIRS) and not f.filename.startswith("<")]
+    where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    message = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+    return ConfigError(f"config key model.factory: {what} raised {type(e).__name__}"
+                       f"{': ' + message if message else ''}{where}; fix your model code or model.args")
 
 
 def _check_logical_axes(factory: str, abstract_params, logical) -> None:

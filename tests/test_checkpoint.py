@@ -17,7 +17,7 @@ import pytest
 
 from resilient_jax.checkpoint import reader
 from resilient_jax.checkpoint.policy import SavePolicy
-from resilient_jax.checkpoint.reader import FIELDS, CheckpointError
+from resilient_jax.checkpoint.reader import FIELDS, CheckpointError, json_sha256
 from resilient_jax.checkpoint.validate import check_resume
 from resilient_jax.config import ConfigError
 from resilient_jax.fingerprinting import params_fingerprint
@@ -123,6 +123,19 @@ def test_resume_refuses_config_change_unless_every_key_is_named():
 def test_operational_config_keys_are_recorded_without_allowance():
     decision = check_resume("ck", _context(), _context(config={"run.progress": "quiet"}))
     assert decision.config_changes == ["run.progress"] and decision.history.config[-1]["allowed"] == []
+
+
+def test_a_tokenizer_file_found_at_another_path_resumes_without_allowance():
+    # A checkpoint of a config that named its tokenizer file relatively; the config now holds the
+    # path made absolute. Another tokenizer is refused by the dataset's recorded sha256 instead.
+    saved = _context()
+    saved["config"]["config"]["data"] = {"tokenizer": "hf:tok.json"}
+    current = _context()
+    current["config"]["config"]["data"] = {"tokenizer": "hf:/home/me/run/tok.json"}
+    for ctx in (saved, current):
+        ctx["config"]["hash"] = json_sha256(ctx["config"]["config"])
+    decision = check_resume("ck", saved, current)
+    assert decision.config_changes == ["data.tokenizer"] and decision.history.config[-1]["allowed"] == []
 
 
 def test_layout_keys_are_a_topology_change_not_a_config_change():

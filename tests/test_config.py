@@ -181,6 +181,53 @@ def test_out_of_range_value_names_the_key_and_the_range(override, key):
     assert message.startswith(f"config key {key}: must be ") and "\n" not in message, message
 
 
+@pytest.mark.parametrize("override", ["optimizer.lr=nan", "optimizer.lr=.nan", "optimizer.lr=inf",
+                                      "optimizer.clip_norm=.inf", "checkpoint.every_seconds=1e999",
+                                      "model.dropout=-.inf", "runtime.max_share=NaN"])
+def test_a_non_finite_float_names_the_key(override):
+    """NaN compares false to every bound and inf passes a lower one: refused before any range."""
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError) as err:
+        load_config(TINY, [override])
+    message = str(err.value)
+    assert message.startswith(f"config key {key}: must be a finite number, got ") and "\n" not in message, message
+
+
+def test_a_non_finite_float_in_the_yaml_file_names_the_key(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("optimizer:\n  lr: .nan\n")
+    with pytest.raises(ConfigError, match=r"^config key optimizer.lr: must be a finite number, got nan$"):
+        load_config(path)
+
+
+def test_a_text_key_set_on_the_command_line_keeps_the_text_as_typed(tmp_path, monkeypatch):
+    """YAML reads 010 as 8, 1.10 as 1.1, 1_000 as 1000 and no as false; a text key takes what was typed."""
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(TINY, ["run.dir=010", "checkpoint.dir=1.10", "data.dataset=1_000", "data.text_field=no",
+                             "runtime.token=0x1F", "runtime.compile_cache=off", 'runtime.bind="127.0.0.2"'])
+    paths = (cfg.run.dir, cfg.checkpoint.dir, cfg.data.dataset)
+    assert paths == tuple(str(tmp_path / n) for n in ("010", "1.10", "1_000"))
+    assert (cfg.data.text_field, cfg.runtime.token, cfg.runtime.compile_cache) == ("no", "0x1F", "off")
+    assert cfg.runtime.bind == "127.0.0.2"  # YAML quoting still works
+    assert load_config(TINY, ["train.steps=010"]).train.steps == 8  # numeric keys are YAML as before
+
+
+@pytest.mark.parametrize("section, line, key", [
+    ("run", "dir: 010", "run.dir"),
+    ("data", "text_field: no", "data.text_field"),
+    ("runtime", "token: 1.10", "runtime.token"),
+    ("topology", "regions: [{name: 1, hosts: 2}]", "topology.regions[0].name"),
+])
+def test_a_yaml_file_value_that_is_not_text_for_a_text_key_says_to_quote_it(tmp_path, section, line, key):
+    path = tmp_path / "c.yaml"
+    path.write_text(f"{section}:\n  {line}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    message = str(err.value)
+    assert message.startswith(f"config key {key}: expected text, got ") and "in quotes" in message, message
+    assert "\n" not in message
+
+
 def test_boundary_values_are_accepted():
     cfg = load_config(TINY, ["train.steps=1", "model.dropout=0", "optimizer.warmup_steps=0", "parallel.data=-1",
                              "checkpoint.every_steps=0", "optimizer.min_lr_ratio=1"])
@@ -198,6 +245,25 @@ def test_relative_paths_resolve_against_the_current_directory_once(tmp_path, mon
     assert default.checkpoint.dir == "" and default.data.dataset == "" and default.data.src == "default"
     assert default.run.dir == "/abs/run"
     assert load_config(TINY, ["run.dir=a/../b/./c"]).run.dir == str(tmp_path / "b" / "c")
+
+
+def test_a_path_named_default_is_a_relative_path_except_for_data_src(tmp_path, monkeypatch):
+    """"default" means the stdlib sources only for data.src; anywhere else it is a directory name,
+    and a relative run.dir / checkpoint.dir would fail at the first checkpoint save."""
+    monkeypatch.chdir(tmp_path)
+    keys = ("run.dir", "checkpoint.dir", "data.dataset", "eval.dataset")
+    cfg = load_config(TINY, [f"{k}=default" for k in keys] + ["data.src=default", "eval.every_steps=5"])
+    assert [cfg.run.dir, cfg.checkpoint.dir, cfg.data.dataset, cfg.eval.dataset] == [str(tmp_path / "default")] * 4
+    assert cfg.data.src == "default"
+
+
+def test_a_tokenizer_files_path_resolves_against_the_current_directory_once(tmp_path, monkeypatch):
+    """So a resume from another directory reads the same tokenizer file; names stay names."""
+    monkeypatch.chdir(tmp_path)
+    assert load_config(TINY, ["data.tokenizer=hf:tok/t.json"]).data.tokenizer == f"hf:{tmp_path / 'tok' / 't.json'}"
+    assert load_config(TINY, ["data.tokenizer=sp:/abs/m.model"]).data.tokenizer == "sp:/abs/m.model"
+    for name in ("bytes", "hf:", "mine:tok.json"):  # a name, an empty path (refused by the loader), a registered name
+        assert load_config(TINY, [f"data.tokenizer={name}"]).data.tokenizer == name
 
 
 def test_config_dir_instead_of_a_file_is_one_line(tmp_path):

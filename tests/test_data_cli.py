@@ -67,3 +67,29 @@ def test_prepare_errors_are_one_line_with_exit_status_2(tmp_path: Path):
                      "--tokenizer", "wordpiece")
     assert result.returncode == 2
     assert result.stderr == "error: unknown tokenizer 'wordpiece'; known tokenizers: bytes, hf:PATH, sp:PATH\n"
+
+
+def test_prepare_bad_sources_and_outs_are_one_line_with_exit_status_2(tmp_path: Path, capsys, monkeypatch):
+    """In-process (main returns the exit status): no traceback, one `error:` line naming the file."""
+    from resilient_jax.data import cli
+
+    (tmp_path / "bad.jsonl").write_text('{"text": "\\ud83d"}\n')
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.txt").write_text("hello " * 100)
+    cases = [
+        (["--src", str(tmp_path / "bad.jsonl"), "--out", str(tmp_path / "ds")], f"{tmp_path / 'bad.jsonl'}:1: "),
+        (["--src", str(tmp_path / "src"), "--out", str(tmp_path / "file" / "ds")], f"{tmp_path / 'file'} is a file"),
+    ]
+    for args, names in cases:
+        assert cli.main(["prepare", *args, "--shards", "1", "--seq-len", "8"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and names in err and err.count("\n") == 1, err
+    # An OSError no check foresaw is still one line naming the path (a last resort, not a traceback).
+    def unreadable(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(tmp_path / "src" / "a.txt"))
+
+    monkeypatch.setattr(cli, "prepare_dataset", unreadable)
+    assert cli.main(["prepare", "--src", str(tmp_path / "src"), "--out", str(tmp_path / "ds")]) == 2
+    assert capsys.readouterr().err == f"error: {tmp_path / 'src' / 'a.txt'}: Permission denied\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "file", "src"]

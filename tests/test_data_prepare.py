@@ -162,3 +162,35 @@ def test_a_concurrent_build_of_the_same_dataset_uses_the_winners_copy(src: Path,
     loser = _build_atomically(src, tmp_path / "ds", 3, 16, "bytes", None)
     assert loser.version == winner.version
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds", "src"]
+
+
+def test_a_lone_surrogate_in_a_jsonl_text_names_the_file_and_line(tmp_path: Path):
+    """JSON's "\\ud83d" escape without its low half decodes to a str that has no UTF-8 form."""
+    src = tmp_path / "docs.jsonl"
+    src.write_text('{"text": "fine"}\n{"text": "half an emoji \\ud83d here"}\n')
+    with pytest.raises(DatasetError) as err:
+        prepare_dataset(src, tmp_path / "out", shards=1, seq_len=4)
+    assert str(err.value) == (f"{src}:2: field 'text' holds invalid Unicode (a lone surrogate '\\ud83d' at "
+                              "character 14); fix or remove it")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl"]  # nothing half-built left behind
+
+
+def test_out_under_an_existing_file_names_the_file_in_the_way(src: Path, tmp_path: Path):
+    (tmp_path / "notes.txt").write_text("mine")
+    for out in (tmp_path / "notes.txt" / "ds", tmp_path / "notes.txt" / "a" / "ds"):
+        with pytest.raises(DatasetError) as err:
+            prepare_dataset(src, out, shards=1, seq_len=16)
+        assert str(err.value) == (f"cannot create dataset directory {out} ({tmp_path / 'notes.txt'} is a file, "
+                                  "not a directory); choose another dataset path")
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_out_dot_is_the_current_directory(src: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Path(".").name is "": the dataset's temporary sibling is named from the resolved path."""
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    manifest = prepare_dataset(src, ".", shards=1, seq_len=16)
+    assert manifest.root == tmp_path / "here" and (tmp_path / "here" / "manifest.json").is_file()
+    monkeypatch.chdir(src)  # not empty: refused, naming the resolved directory
+    with pytest.raises(DatasetError, match=f"output directory {src} already exists and is not empty"):
+        prepare_dataset(src, ".", shards=1, seq_len=16)

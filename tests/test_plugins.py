@@ -67,6 +67,25 @@ def needs_an_arg(args, rngs):
     return Bigram(args["width"], ("vocab", None), rngs=rngs)
 
 
+def attribute_error(args, rngs):
+    return Bigram(args.vocab, ("vocab", None), rngs=rngs)  # line: attribute_error
+
+
+def name_error_when_called(args, rngs):
+    class Broken(Bigram):
+        def __call__(self, tokens_BxL, *, dropout_key=None):
+            return undefined_name  # line: name_error_when_called  # noqa: F821
+    return Broken(args["vocab"], ("vocab", None), rngs=rngs)
+
+
+def shapes_do_not_multiply(args, rngs):
+    class Mismatch(Bigram):
+        def __call__(self, tokens_BxL, *, dropout_key=None):
+            x = jnp.take(self.table[...], tokens_BxL, axis=0)
+            return x @ jnp.ones((3, 5))  # line: shapes_do_not_multiply
+    return Mismatch(args["vocab"], ("vocab", None), rngs=rngs)
+
+
 def flat(args, rngs):
     class Flat(Bigram):
         def __call__(self, tokens_BxL, *, dropout_key=None):
@@ -151,6 +170,34 @@ def test_logits_of_the_wrong_shape_are_refused(user_dir, factory, expected):
     with pytest.raises(ConfigError, match="vocab >= the dataset's 256") as e:
         model_def.check_output(seq_len=16, vocab_size=256)
     assert expected in str(e.value)
+
+
+def user_line(marker: str) -> int:
+    return next(i for i, line in enumerate(USER_MODELS.splitlines(), 1) if f"# line: {marker}" in line)
+
+
+def test_a_factory_that_raises_is_one_line_naming_the_key_the_error_and_the_users_line(user_dir):
+    with pytest.raises(ConfigError) as e:
+        make_model_def(model_cfg("attribute_error", vocab=256), str(user_dir))
+    message = str(e.value)
+    assert message.startswith("config key model.factory: h13_user_models:attribute_error(model.args={'vocab': 256}, "
+                              "rngs) raised AttributeError: 'dict' object has no attribute 'vocab' (at "), message
+    assert f"h13_user_models.py:{user_line('attribute_error')});" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("factory, error", [
+    ("name_error_when_called", "NameError: name 'undefined_name' is not defined"),
+    ("shapes_do_not_multiply", "TypeError: dot_general requires contracting dimensions to have the same shape"),
+])
+def test_a_model_that_raises_when_called_is_one_line_naming_the_key_the_error_and_the_users_line(
+        user_dir, factory, error):
+    model_def = make_model_def(model_cfg(factory, vocab=256), str(user_dir))
+    with pytest.raises(ConfigError) as e:
+        model_def.check_output(seq_len=16, vocab_size=256)
+    message = str(e.value)
+    assert message.startswith(f"config key model.factory: the model of h13_user_models:{factory}, called on "
+                              f"tokens [2, 16], raised {error}"), message
+    assert f"h13_user_models.py:{user_line(factory)});" in message and "\n" not in message
 
 
 @pytest.mark.parametrize("spec, expected", [

@@ -43,8 +43,10 @@ LAYOUT = ("parallel.devices", "parallel.data", "parallel.fsdp", "parallel.tensor
 # Where the data is read from (data.dataset, data.src, data.build_if_missing) is operational too:
 # what the run trains on is pinned by the dataset version, which is checked on its own (above), so a
 # dataset moved to another directory, or the same relative path resolved from another directory,
-# resumes; another dataset is refused by its version whatever its path.
-DATA_LOCATION = ("data.dataset", "data.src", "data.build_if_missing")
+# resumes; another dataset is refused by its version whatever its path. data.tokenizer likewise: the
+# path of an hf:/sp: file is made absolute at load (a checkpoint may hold it relative), and another
+# tokenizer is refused by the sha256 the dataset's manifest records (data.prepare.ensure_dataset).
+DATA_LOCATION = ("data.dataset", "data.src", "data.build_if_missing", "data.tokenizer")
 # task.import_dir only says where model.factory / task.loss are found (the config file's directory
 # by default): the model is pinned by model.factory, model.args and the params' shapes, checked on restore.
 PLUGIN_LOCATION = ("task.import_dir",)

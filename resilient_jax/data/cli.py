@@ -1,6 +1,7 @@
 """`python -m resilient_jax.data {prepare,verify,batch}`: build, check and inspect datasets.
 
-Every DatasetError is printed as one `error: ...` line on stderr with exit status 2, no traceback.
+Every DatasetError (and, as a last resort, any OSError, with its path) is printed as one `error: ...`
+line on stderr with exit status 2, no traceback.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.run(args)
     except DatasetError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a last resort: the expected failures are DatasetErrors that say what to do
+        paths = " -> ".join(str(f) for f in (e.filename, e.filename2) if f is not None)
+        print(f"error: {paths + ': ' if paths else ''}{e.strerror or e}", file=sys.stderr)
         return 2
     return 0
 

@@ -69,7 +69,8 @@ def prepare_dataset(
     text_field: str = "text",
 ) -> Manifest:
     """Builds a dataset at `out`, which must not exist or be empty. `fmt`/`text_field`: see `sources`."""
-    out = Path(out)
+    # Absolute, so `--out .` has a name and a parent to build the temporary sibling in.
+    out = Path(os.path.abspath(os.path.expanduser(out)))
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise DatasetError(f"output directory {out} already exists and is not empty; choose a new --out")
     return _build_atomically(src, out, shards, seq_len, tokenizer, max_bytes, fmt, text_field)
@@ -134,7 +135,7 @@ def _build_atomically(
         raise DatasetError(f"shards ({shards}) and seq_len ({seq_len}) must both be >= 1")
     tokenizer = get_tokenizer(tokenizer_name)  # unknown names and unparsable files fail before any work
     layout = RecordLayout(seq_len=seq_len, token_dtype=token_dtype_for(tokenizer.vocab_size), has_weights=False)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    _make_parent(out)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
@@ -146,6 +147,16 @@ def _build_atomically(
         return _publish(tmp, out, manifest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _make_parent(out: Path) -> None:
+    """The directories above `out`, or one line naming what is in the way (a file, no permission)."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        blocker = next((p for p in (out.parent, *out.parent.parents) if p.exists() and not p.is_dir()), None)
+        why = f"{blocker} is a file, not a directory" if blocker else f"{e.filename}: {e.strerror}"
+        raise DatasetError(f"cannot create dataset directory {out} ({why}); choose another dataset path") from None
 
 
 def _tokenize_to_file(docs: Iterator[Document], tokenizer: Tokenizer, path: Path, dtype: np.dtype) -> int:

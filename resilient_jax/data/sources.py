@@ -187,7 +187,11 @@ def _text_value(value: object, where: str, text_field: str) -> bytes:
     if not isinstance(value, str):
         raise DatasetError(f"{where}: field {text_field!r} is {type(value).__name__}, not a string; "
                            "pass --text-field naming a text field")
-    return value.encode("utf-8")
+    try:
+        return value.encode("utf-8")
+    except UnicodeEncodeError as e:  # JSON's "\ud83d" escape without its pair decodes to a lone surrogate
+        raise DatasetError(f"{where}: field {text_field!r} holds invalid Unicode (a lone surrogate "
+                           f"{value[e.start]!r} at character {e.start}); fix or remove it") from None
 
 
 def _pyarrow(fmt: str):
