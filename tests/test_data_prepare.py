@@ -185,12 +185,17 @@ def test_out_under_an_existing_file_names_the_file_in_the_way(src: Path, tmp_pat
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
-def test_out_dot_is_the_current_directory(src: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """Path(".").name is "": the dataset's temporary sibling is named from the resolved path."""
+def test_out_dot_is_refused_naming_a_directory_that_would_work(src: Path, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch):
+    """The finished dataset is renamed over --out: the shell would be left in a removed directory."""
     (tmp_path / "here").mkdir()
     monkeypatch.chdir(tmp_path / "here")
-    manifest = prepare_dataset(src, ".", shards=1, seq_len=16)
-    assert manifest.root == tmp_path / "here" and (tmp_path / "here" / "manifest.json").is_file()
+    with pytest.raises(DatasetError, match=f"output directory {tmp_path / 'here'} is the current directory, .*; "
+                                           f"choose a new --out, e.g. {tmp_path / 'here' / 'dataset'}$"):
+        prepare_dataset(src, ".", shards=1, seq_len=16)
+    assert list((tmp_path / "here").iterdir()) == [] and not list(tmp_path.glob(".*tmp*"))
+    manifest = prepare_dataset(src, "dataset", shards=1, seq_len=16)  # relative: under the current directory
+    assert manifest.root == tmp_path / "here" / "dataset"
     monkeypatch.chdir(src)  # not empty: refused, naming the resolved directory
     with pytest.raises(DatasetError, match=f"output directory {src} already exists and is not empty"):
         prepare_dataset(src, ".", shards=1, seq_len=16)

@@ -73,6 +73,9 @@ def prepare_dataset(
     out = Path(os.path.abspath(os.path.expanduser(out)))
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise DatasetError(f"output directory {out} already exists and is not empty; choose a new --out")
+    if out == Path.cwd():  # publishing renames the dataset over it: the shell would sit in a removed directory
+        raise DatasetError(f"output directory {out} is the current directory, which the finished dataset would "
+                           f"replace; choose a new --out, e.g. {out / 'dataset'}")
     return _build_atomically(src, out, shards, seq_len, tokenizer, max_bytes, fmt, text_field)
 
 
