@@ -16,7 +16,9 @@ Each worker logs its own compile line; the metrics.jsonl `compile` event is rank
 `runtime.compile_cache`: "auto" = $RESILIENT_JAX_COMPILE_CACHE if set (one directory for every run
 of a user, a CI job or a test session), else <run.dir>/compile_cache; "" or "off" = no persistent
 cache; any other value = that directory (e.g. one shared by several runs). An unwritable
-directory is a warning, not an error: the run compiles as it would without the cache.
+directory is a warning, not an error: the run compiles as it would without the cache. So is one
+another account could write to (owned by another user, or writable by every account): a cache
+entry is machine code the run would execute.
 
 Hits are counted from JAX's own monitoring events: `compile_requests_use_cache` (a compile that
 looked in the cache) and `cache_hits`; a miss is a request without a hit. (JAX's own
@@ -27,6 +29,7 @@ writes, so it cannot be counted on the other processes.)
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 import threading
 import time
@@ -75,18 +78,47 @@ def unwritable_warning(path: Path, reason: str) -> str:
             "a persistent cache (set runtime.compile_cache to a writable directory, or \"off\")")
 
 
+def foreign_writer(path: Path) -> str | None:
+    """Who else could put an entry in the cache directory, or None: an entry is machine code the run
+    executes, so the directory must be this account's and not writable by everyone (a group the
+    administrator gave it is trusted, as for run.dir). A missing directory is JAX's to make: ours."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    if st.st_uid != os.geteuid():
+        return f"it belongs to uid {st.st_uid}, not to this account"
+    if st.st_mode & stat.S_IWOTH:
+        return f"every account can write to it (mode {stat.filemode(st.st_mode)})"
+    return None
+
+
+def unsafe_warning(path: Path, reason: str) -> str:
+    return (f"warning: runtime.compile_cache: {path} is not safe to load programs from ({reason}); compiling "
+            "without a persistent cache (use a directory only this account can write, e.g. chmod o-w, or \"off\")")
+
+
+def _refusal(path: Path) -> str | None:
+    """The one-line warning that keeps the cache off at `path`, or None if it may be used."""
+    if reason := unwritable_reason(path):
+        return unwritable_warning(path, reason)
+    if reason := foreign_writer(path):
+        return unsafe_warning(path, reason)
+    return None
+
+
 def check(setting: str, run_dir: str) -> str | None:
-    """The one-line warning for an unwritable cache directory, or None (fine, or off); for a
-    process that does not compile itself (the elastic driver) to warn on its console once."""
+    """The one-line warning for a cache directory that cannot be used (unwritable, or writable by
+    others), or None (fine, or off); for a process that does not compile itself (the elastic
+    driver) to warn on its console once."""
     path = cache_dir(setting, run_dir)
-    reason = unwritable_reason(path) if path is not None else None
-    return unwritable_warning(path, reason) if reason else None
+    return _refusal(path) if path is not None else None
 
 
 @dataclass(frozen=True)
 class CacheSetup:
     path: Path | None  # the directory in use; None: this process compiles uncached
-    warning: str | None = None  # set when the configured directory is not writable
+    warning: str | None = None  # set when the configured directory cannot be used
 
 
 def enable(setting: str, run_dir: str) -> CacheSetup:
@@ -99,9 +131,8 @@ def enable(setting: str, run_dir: str) -> CacheSetup:
     path = cache_dir(setting, run_dir)
     if path is None:
         return CacheSetup(None)
-    reason = unwritable_reason(path)
-    if reason is not None:
-        return CacheSetup(None, unwritable_warning(path, reason))
+    if warning := _refusal(path):
+        return CacheSetup(None, warning)
     import jax
 
     jax.config.update("jax_compilation_cache_dir", str(path))

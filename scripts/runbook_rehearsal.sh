@@ -2,11 +2,14 @@
 # Rehearses runbooks/cross-region.md on one CPU machine: bring-up, status, drain, a worker joined by
 # hand, losing every process (controller included) mid-run, verifying the newest checkpoint and
 # resuming it on a different cluster shape; then an uninterrupted reference run to compare with.
-#   bash scripts/runbook_rehearsal.sh [WORKDIR]     (~6 min on 2 cores)
+#   bash scripts/runbook_rehearsal.sh [WORKDIR]     (~6 min on 2 cores; default: a new private temp dir)
 set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
-RB=${1:-/tmp/runbook-rehearsal}; rm -rf $RB; mkdir -p $RB
+# A fixed name under /tmp could be another account's directory (holding the run, and the compile
+# cache whose entries the run executes): the default is a fresh one only this account can write.
+if [ $# -ge 1 ]; then RB=$1; rm -rf "$RB"; mkdir -p "$RB" || exit 1; else RB=$(mktemp -d -t runbook-rehearsal-XXXXXX) || exit 1; fi
+echo "rehearsal directory: $RB"
 wait_step() { # run_dir step
   for i in $(seq 1 600); do
     s=$($PY -c "import json,sys; print(json.load(open('$1/elastic/status.json'))['step'])" 2>/dev/null || echo -1)

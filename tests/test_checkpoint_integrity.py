@@ -292,3 +292,27 @@ def test_retention_counts_only_committed_steps_and_leaves_format_1_checkpoints_a
     store.close()
     assert reader.list_steps(root) == [2, 3]
     assert sorted(p.name for p in root.iterdir()) == ["100", "2", "200", "3"]
+
+
+@pytest.mark.parametrize("listed", ["../../../../../../etc/passwd", "/dev/zero", "weights/../../1/manifest"])
+def test_a_commit_manifest_listing_a_path_outside_the_step_is_refused_unread(copy, listed):
+    # Its self-crc32c is recomputed: the edit must be caught by what it lists, not by the checksum.
+    step_dir = copy / "2"
+    path = commit.commit_file(step_dir, 0)
+    doc = json.loads(path.read_text())
+    doc["files"][listed] = {"bytes": 1, "crc32c": "00000000"}
+    doc["self_crc32c"] = commit._self_crc(doc)
+    path.write_text(json.dumps(doc))
+    [problem] = reader.verify(step_dir)
+    assert f"commit/process_0.json: lists {listed!r}, which is not a file inside the step directory" in str(problem)
+
+
+def test_a_link_in_the_step_directory_is_refused_without_reading_it(copy):
+    step_dir = copy / "2"
+    target = next(p for p in sorted((step_dir / "weights").rglob("*")) if p.is_file())
+    target.unlink()
+    target.symlink_to("/dev/zero")  # read to its end, it never ends
+    problems = [str(p) for p in reader.verify(step_dir)]
+    rel = target.relative_to(step_dir).as_posix()
+    assert problems == [f"checkpoint {step_dir}: weights: {rel}: is not a regular file inside the step directory "
+                        "(a link?)"]

@@ -52,6 +52,27 @@ def test_an_unwritable_cache_dir_is_one_warning_and_leaves_jax_uncached(tmp_path
     assert compile_cache.check("auto", str(tmp_path)) is None  # run.dir/compile_cache is writable
 
 
+def test_a_cache_dir_another_account_can_write_is_one_warning_and_leaves_jax_uncached(tmp_path):
+    # A cache entry is machine code the run executes: an entry planted by another account would run.
+    import os
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    before = jax.config.jax_compilation_cache_dir
+    setup = compile_cache.enable(str(shared), str(tmp_path))
+    assert setup.path is None and jax.config.jax_compilation_cache_dir == before
+    assert setup.warning == (f"warning: runtime.compile_cache: {shared} is not safe to load programs from (every "
+                             "account can write to it (mode drwxrwxrwx)); compiling without a persistent cache "
+                             "(use a directory only this account can write, e.g. chmod o-w, or \"off\")")
+    assert compile_cache.check(str(shared), str(tmp_path)) == setup.warning
+    shared.chmod(0o775)  # a group the administrator gave the training account is trusted, as for run.dir
+    assert compile_cache.check(str(shared), str(tmp_path)) is None
+    if os.geteuid() == 0:  # only root can give a directory away
+        os.chown(shared, 65534, -1)
+        assert "(it belongs to uid 65534, not to this account)" in compile_cache.check(str(shared), str(tmp_path))
+
+
 def test_the_counter_tells_hits_from_compiles():
     counter = compile_cache.CacheCounter()
     counter.install()

@@ -16,6 +16,7 @@ from resilient_jax.data import (
     verify_dataset,
 )
 from resilient_jax.data import tokenizer as tokenizer_module
+from resilient_jax.data.manifest import MANIFEST_NAME, manifest_from_content
 from resilient_jax.data.sources import iter_documents
 
 WORDS = ["alpha", "beta", "gamma", "delta", "jax", "grain", "shard", "step", "\n", "é"]
@@ -199,3 +200,18 @@ def test_out_dot_is_refused_naming_a_directory_that_would_work(src: Path, tmp_pa
     monkeypatch.chdir(src)  # not empty: refused, naming the resolved directory
     with pytest.raises(DatasetError, match=f"output directory {src} already exists and is not empty"):
         prepare_dataset(src, ".", shards=1, seq_len=16)
+
+
+@pytest.mark.parametrize("name", ["../outside.bin", "/dev/zero", "..", ""])
+def test_a_manifest_naming_a_shard_file_outside_its_directory_is_refused(src: Path, tmp_path: Path, name: str):
+    # The version is a hash anyone can recompute: it seals the content, not where it points.
+    root = tmp_path / "ds"
+    prepare_dataset(src, root, shards=2, seq_len=16)
+    doc = json.loads((root / MANIFEST_NAME).read_text())
+    doc.pop("version")
+    doc["shards"][1]["file"] = name
+    doc["version"] = manifest_from_content(root, doc).version
+    (root / MANIFEST_NAME).write_text(json.dumps(doc))
+    with pytest.raises(DatasetError, match=f"manifest {root / MANIFEST_NAME} names shard file {name!r}, which is "
+                                           "not a file of the dataset directory"):
+        load_manifest(root)

@@ -134,6 +134,29 @@ def test_off_loopback_with_token_and_tls_passes_validation(tmp_path, monkeypatch
     run_lib.validate(cfg_with(tmp_path, "runtime.bind=10.1.2.3", "runtime.tls=auto"))
 
 
+@pytest.mark.parametrize("url, problem", [
+    ("http://192.0.2.2:8470", "is plain http to another machine: the run's token would cross the network in clear"),
+    ("ftp://127.0.0.1:8470", "is not a controller address"),
+    ("127.0.0.1:8470", "is not a controller address"),
+])
+def test_a_client_refuses_an_address_it_would_send_the_token_to_unverified(url, problem):
+    with pytest.raises(ValueError, match=problem):
+        ControllerClient(url, "s3cret")
+    ControllerClient("http://127.0.0.1:8470", "s3cret")  # loopback: the controller serves plain http only there
+
+
+@pytest.mark.parametrize("args, problem", [
+    (["--controller", "http://192.0.2.2:8470"], "http://192.0.2.2:8470 is plain http to another machine"),
+    (["--controller", "http://127.0.0.1:8470", "--tls-ca", "ca.pem"], "is not https, so --tls-ca ca.pem would verify"),
+])
+def test_a_hand_started_worker_with_a_plaintext_address_is_one_line_and_sends_nothing(tmp_path, args, problem):
+    proc = run_cli("resilient_jax.elastic", "worker", "--host", "h9", "--config-json", str(tmp_path / "none.json"),
+                   *args, timeout=60)
+    assert proc.returncode == 3 and "Traceback" not in proc.stderr, proc.stderr
+    [line] = proc.stderr.splitlines()
+    assert line.startswith("error: --controller ") and problem in line, line
+
+
 def test_cli_off_loopback_plaintext_is_one_error_line_exit_2(tmp_path):
     proc = run_cli("resilient_jax.train", "--config", str(CPU4), "--set", f"run.dir={tmp_path}",
                    "--set", "runtime.bind=10.1.2.3", "--set", "runtime.token=tok", timeout=120,

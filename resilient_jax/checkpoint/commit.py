@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import uuid
 from pathlib import Path
 from typing import Any
@@ -143,7 +144,18 @@ def _read_one(step_dir: Path, process: int) -> dict[str, Any]:
                                f"is not supported (this reader reads {COMMIT_VERSION} / {HASH})")
     if doc.get("process") != process:
         raise CommitError(rel, f"says it is process {doc.get('process')!r}'s")
+    # Its self-crc32c is no seal against an edit: a listed "/dev/zero" or "../../etc/shadow" would
+    # hang verify, or answer questions about files outside the checkpoint.
+    outside = next((name for name in doc["files"] if not _inside(name)), None)
+    if outside is not None:
+        raise CommitError(rel, f"lists {outside!r}, which is not a file inside the step directory (edited)")
     return doc
+
+
+def _inside(relpath: str) -> bool:
+    """A relative path that names something under the step directory: no "/" first, no "." or "..".
+    (Symbolic links on the way are refused when the file is read: `check_files`.)"""
+    return isinstance(relpath, str) and all(part not in ("", ".", "..") for part in relpath.split("/"))
 
 
 def read(step_dir: str | Path) -> dict[str, dict[str, Any]]:
@@ -177,6 +189,10 @@ def is_committed(step_dir: str | Path) -> bool:
     return all(commit_file(step_dir, p).is_file() for p in range(1, count))
 
 
+def _resolves_under(path: Path, step_dir: Path) -> bool:
+    return os.path.realpath(path).startswith(os.path.realpath(step_dir) + os.sep)
+
+
 def check_files(step_dir: str | Path, files: dict[str, dict[str, Any]],
                 select=lambda rel: True) -> list[CommitError]:
     """Problems (empty = none) of the listed files that `select` keeps: missing, resized, other crc32c;
@@ -188,6 +204,10 @@ def check_files(step_dir: str | Path, files: dict[str, dict[str, Any]],
             continue
         path = step_dir / rel
         try:
+            # Only files the save wrote: a link (to a device, or out of the checkpoint) is refused unread.
+            if not stat.S_ISREG(os.lstat(path).st_mode) or not _resolves_under(path, step_dir):
+                problems.append(CommitError(rel, "is not a regular file inside the step directory (a link?)"))
+                continue
             size, crc = file_crc32c(path)
         except FileNotFoundError:
             problems.append(CommitError(rel, "is missing"))

@@ -142,6 +142,10 @@ def load_manifest(root: str | Path) -> Manifest:
             f"manifest {path} has format_version {manifest.format_version}, this code reads "
             f"{', '.join(map(str, _READABLE_FORMATS))}; {_PREPARE_HINT}"
         )
+    for info in manifest.shards:  # the version covers the names, but anyone can recompute it
+        if not isinstance(info.file, str) or info.file in ("", ".", "..") or "/" in info.file or "\\" in info.file:
+            raise DatasetError(f"manifest {path} names shard file {info.file!r}, which is not a file of the dataset "
+                               f"directory; {_PREPARE_HINT}")
     if stored != manifest.version:
         raise DatasetError(
             f"manifest {path} was edited: its version field does not match its content; {_PREPARE_HINT}"

@@ -197,9 +197,22 @@ class TlsHTTPServer(QuietHTTPServer):
             self.shutdown_request(request)
 
 
+def check_controller_url(url: str) -> None:
+    """A controller address a worker may send the run's token to: https, or http on this machine
+    (the controller refuses to serve plain http off loopback: `check_bind`). A typo'd http:// to
+    another machine would hand the token to whoever answers there, in clear text, unverified."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{url} is not a controller address (expected https://HOST:PORT, as the controller prints it)")
+    if parts.scheme == "http" and not is_loopback(parts.hostname):
+        raise ValueError(f"{url} is plain http to another machine: the run's token would cross the network in clear "
+                         "text to an unverified server; use the https:// address the controller prints (runtime.tls)")
+
+
 class ControllerClient:
     def __init__(self, url: str, token: str = "", *, ca_pem: str = "", timeout: float = 30.0):
         """`ca_pem`: the CA an https controller's certificate must chain to (default: the system's)."""
+        check_controller_url(url)
         self.url = url.rstrip("/")
         self.port = urllib.parse.urlsplit(self.url).port
         self.token = token

@@ -56,7 +56,7 @@ class HostActor:
         self.tmp = tempfile.mkdtemp(prefix=f"resilient-jax-{host}-")
         config_path = Path(self.tmp) / "config.json"
         config_path.write_text(config_json)
-        self.log_path = self._log_path(Path(log_dir), host)
+        self.log_path = self._log_path(Path(log_dir), host, Path(self.tmp))
         self.node_id = ray.get_runtime_context().get_node_id()
         self.ip = ray.util.get_node_ip_address()
         cmd = [sys.executable, "-m", "resilient_jax.elastic", "worker", *argv, "--config-json", str(config_path)]
@@ -77,7 +77,7 @@ class HostActor:
             raise RuntimeError(self._error)
 
     @staticmethod
-    def _log_path(log_dir: Path, host: str) -> Path:
+    def _log_path(log_dir: Path, host: str, private_dir: Path) -> Path:
         try:
             log_dir.mkdir(parents=True, exist_ok=True)
             path = log_dir / f"{host}.log"
@@ -85,9 +85,9 @@ class HostActor:
                 pass
             return path
         except OSError:
-            fallback = Path(tempfile.gettempdir()) / "resilient_jax_logs"
-            fallback.mkdir(parents=True, exist_ok=True)
-            return fallback / f"{host}.log"
+            # The actor's own private directory: a fixed name under /tmp could be another account's,
+            # with a link at <host>.log pointing where it wants this log appended.
+            return private_dir / f"{host}.log"
 
     def _run(self, cmd: list[str], env: dict, cwd: str) -> None:
         import ctypes

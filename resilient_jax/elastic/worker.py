@@ -272,6 +272,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tls-ca", type=Path, help="the CA file an https controller is verified against "
                         "(runtime.tls=auto: run.dir/elastic/tls/ca.pem); launched workers get it in the environment")
     args = parser.parse_args(argv)
+    from resilient_jax.elastic.channel import check_controller_url
+
+    try:  # before anything else: the run's token must never go to a server we cannot verify
+        check_controller_url(args.controller)
+        if args.tls_ca and not args.controller.startswith("https:"):
+            raise ValueError(f"{args.controller} is not https, so --tls-ca {args.tls_ca} would verify nothing; use "
+                             "the https:// address the controller prints")
+    except ValueError as e:
+        print(f"error: --controller {e}", file=sys.stderr)
+        return 3
     # A terminal's Ctrl-C reaches the whole process group; the driver turns it into an agreed stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.host} %(levelname)s %(message)s")
