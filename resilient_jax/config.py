@@ -385,8 +385,9 @@ class RuntimeConfig:
     min_replicas: int = 1
     # JAX's persistent compilation cache, so a re-formed world loads its step instead of compiling
     # it: "auto" = $RESILIENT_JAX_COMPILE_CACHE if set, else <run.dir>/compile_cache; "" or "off" =
-    # none; any other value = that directory (may be shared by runs). Not writable: a warning, and
-    # the run compiles uncached.
+    # none; any other value = that directory (may be shared by runs). Not writable, or writable by
+    # another account (owned by another user, or by every account: an entry is machine code the run
+    # executes): a warning, and the run compiles uncached.
     compile_cache: str = "auto"
 
 
@@ -702,7 +703,9 @@ def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
     parts = key.split(".")
     node = raw
     for part in parts[:-1]:
-        child = node.setdefault(part, {})
+        if node.get(part) is None:  # absent, or a YAML section whose keys are all commented out
+            node[part] = {}
+        child = node[part]
         if not isinstance(child, dict):
             raise ConfigError(f"config key {key}: {part} is not a section")
         node = child
@@ -724,6 +727,8 @@ def _build(cls: type, raw: dict[str, Any], prefix: str) -> Any:
         typ = hints[f.name]
         dotted = f"{prefix}{f.name}"
         if dataclasses.is_dataclass(typ):
+            if value is None:  # `model:` with every key under it commented out: the defaults
+                value = {}
             if not isinstance(value, dict):
                 raise ConfigError(f"config key {dotted}: expected a section (mapping), got {value!r}")
             kwargs[f.name] = _build(typ, value, prefix=f"{dotted}.")

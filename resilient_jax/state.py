@@ -170,15 +170,34 @@ _LIBRARY_DIRS = tuple({os.path.dirname(os.path.abspath(module.__file__)) + os.se
                          for name in ("stdlib", "platstdlib", "purelib", "platlib")})
 
 
-def _factory_error(what: str, e: BaseException) -> ConfigError:
-    """One line for an exception raised by a model of the user's: the key, the exception and the
+def _factory_error(what: str, e: BaseException, key: str = "model.factory",
+                   fix: str = "fix your model code or model.args") -> ConfigError:
+    """One line for an exception raised by a plug-in of the user's: the key, the exception and the
     user's file:line (the whole traceback is mostly JAX's and flax's tracing machinery)."""
     frames = [f for f in traceback.extract_tb(e.__traceback__)
               if not os.path.abspath(f.filename).startswith(_LIBRARY_DIRS) and not f.filename.startswith("<")]
     where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
     message = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
-    return ConfigError(f"config key model.factory: {what} raised {type(e).__name__}"
-                       f"{': ' + message if message else ''}{where}; fix your model code or model.args")
+    return ConfigError(f"config key {key}: {what} raised {type(e).__name__}"
+                       f"{': ' + message if message else ''}{where}; {fix}")
+
+
+def check_loss(loss_fn: Callable, spec: str, seq_len: int, vocab_size: int) -> None:
+    """Refuse (one ConfigError line) a task.loss that fails on, or does not return one float loss per
+    row for, a batch of 2 rows: a scalar would be summed as one row's loss and train on nonsense."""
+    logits = jax.ShapeDtypeStruct((2, seq_len, vocab_size), jnp.float32)
+    targets = jax.ShapeDtypeStruct((2, seq_len), jnp.int32)
+    weights = jax.ShapeDtypeStruct((2, seq_len), jnp.float32)
+    try:
+        out = jax.eval_shape(lambda lg, t, w: loss_fn(lg, t, w, key=jax.random.key(0)), logits, targets, weights)
+    except Exception as e:
+        raise _factory_error(f"{spec}, called on logits [2, {seq_len}, {vocab_size}],", e, key="task.loss",
+                             fix="fix your loss (resilient_jax.losses describes what it is given)") from None
+    shape, dtype = getattr(out, "shape", None), getattr(out, "dtype", None)
+    if shape != (2,) or not jnp.issubdtype(dtype, jnp.floating):
+        got = f"{tuple(shape)} {dtype}" if shape is not None else type(out).__name__
+        raise ConfigError(f"config key task.loss: {spec} must return one float loss per row, shape [B]; for 2 rows "
+                          f"it returned {got} (resilient_jax.losses describes the protocol)")
 
 
 def _check_logical_axes(factory: str, abstract_params, logical) -> None:

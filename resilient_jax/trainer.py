@@ -40,7 +40,7 @@ from resilient_jax import plugins
 from resilient_jax import state as state_lib
 from resilient_jax import step as step_lib
 from resilient_jax.checkpoint.session import CheckpointSession
-from resilient_jax.config import Config, DataConfig
+from resilient_jax.config import DEFAULT_LOSS, Config, DataConfig
 from resilient_jax.data.evalset import build_eval_set, check_held_out, holdout_quarantine
 from resilient_jax.data.location import check_buildable
 from resilient_jax.fingerprinting import params_fingerprint
@@ -162,6 +162,9 @@ class Trainer:
                 f"({self.manifest.vocab_size}); raise model.vocab_size"
             )
         loss_fn = plugins.load_callable(cfg.task.loss, "task.loss", cfg.task.import_dir)
+        if cfg.task.loss != DEFAULT_LOSS:
+            state_lib.check_loss(loss_fn, cfg.task.loss, cfg.data.seq_len,
+                                 cfg.model.vocab_size if self.model_def.builtin else self.manifest.vocab_size)
         self.tx = build_optimizer(cfg.optimizer, cfg.train.steps)
         self.schedule = lr_schedule(cfg.optimizer, cfg.train.steps)
         self.shardings = state_lib.state_shardings(self.model_def, self.tx, self.mesh)

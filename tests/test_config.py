@@ -228,6 +228,16 @@ def test_a_yaml_file_value_that_is_not_text_for_a_text_key_says_to_quote_it(tmp_
     assert "\n" not in message
 
 
+def test_a_section_with_every_key_commented_out_is_the_defaults(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  # d_model: 64\ntrain:\n  steps: 3\n")
+    without = tmp_path / "without.yaml"
+    without.write_text("train:\n  steps: 3\n")
+    assert load_config(path).model == load_config(without).model
+    cfg = load_config(path, ["model.d_model=32"])
+    assert cfg.model.d_model == 32 and cfg.train.steps == 3
+
+
 def test_boundary_values_are_accepted():
     cfg = load_config(TINY, ["train.steps=1", "model.dropout=0", "optimizer.warmup_steps=0", "parallel.data=-1",
                              "checkpoint.every_steps=0", "optimizer.min_lr_ratio=1"])

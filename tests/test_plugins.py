@@ -254,6 +254,34 @@ def test_the_public_api_trains_a_user_model_and_loss_whose_checkpoint_reads_back
     assert resilient_jax.fingerprint(weights) == plain["params_fingerprint"]
 
 
+def mean_loss(logits, targets, weights, *, key):  # the easy mistake: one number, not one per row
+    return losses.next_token_cross_entropy(logits, targets, weights).mean()
+
+
+def loss_with_a_typo(logits, targets, weights, *, key):
+    return losses.next_token_cross_entropy(logits, targets, weigths)  # noqa: F821
+
+
+def test_a_loss_that_returns_no_per_row_losses_or_raises_is_one_line_naming_task_loss(tmp_path):
+    from resilient_jax.state import check_loss
+    from resilient_jax.trainer import Trainer
+
+    from conftest import tiny_config
+
+    check_loss(losses.next_token_cross_entropy, "default", 16, 256)  # the protocol's own example passes
+    with pytest.raises(ConfigError, match=r"^config key task.loss: t:mean_loss must return one float loss per row, "
+                                          r"shape \[B\]; for 2 rows it returned \(\) float32 "):
+        check_loss(mean_loss, "t:mean_loss", 16, 256)
+    with pytest.raises(ConfigError) as e:
+        check_loss(loss_with_a_typo, "t:typo", 16, 256)
+    assert str(e.value).startswith("config key task.loss: t:typo, called on logits [2, 16, 256], raised NameError: "
+                                   "name 'weigths' is not defined (at ") and "test_plugins.py:" in str(e.value)
+    # The Trainer checks a loss of your own before anything compiles.
+    with pytest.raises(ConfigError, match="config key task.loss: test_plugins:mean_loss must return one float loss"):
+        Trainer(tiny_config(tmp_path, "task.loss=test_plugins:mean_loss", f"task.import_dir={REPO / 'tests'}"),
+                devices=jax.devices()[:8])
+
+
 def test_a_mesh_that_cannot_split_a_user_models_param_is_refused_naming_the_axis_and_param(user_dir):
     """The built-in model's check names model.* keys; a model of your own is checked on its params'
     shapes: here a vocab dim of 250 that parallel.tensor 4 cannot split (and the default model

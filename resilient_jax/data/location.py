@@ -36,6 +36,9 @@ def dataset_dir(cfg: DataConfig) -> Path:
 def check_buildable(cfg: DataConfig) -> Path:
     """The dataset directory, refusing a named directory without a dataset unless it may be built."""
     path = dataset_dir(cfg)
+    if path.exists() and not path.is_dir():
+        raise DatasetError(f"data.dataset {path} is a file, not a dataset directory; set data.dataset to the "
+                           "directory `python -m resilient_jax.data prepare --out` made")
     if cfg.dataset and not cfg.build_if_missing and not (path / MANIFEST_NAME).is_file():
         what = "does not exist" if not path.exists() else f"holds no dataset ({MANIFEST_NAME})"
         raise DatasetError(
