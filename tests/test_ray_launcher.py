@@ -21,6 +21,9 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from resilient_jax.config import ConfigError, load_config  # noqa: E402
+from resilient_jax.elastic.ray_launcher import (  # noqa: E402
+    RAY_AUTH_OFF, RAY_AUTH_ON, RAY_AUTH_UNKNOWN, probe_gcs_auth, ray_auth_decision,
+)
 from resilient_jax.elastic.ray_placement import HOST_RESOURCE, Node, plan_placement  # noqa: E402
 
 from conftest import REPO, read_summary, run_cli  # noqa: E402
@@ -104,6 +107,157 @@ def test_an_unreachable_ray_address_fails_fast(tmp_path):
     assert f"runtime.ray_address='{address}': no Ray cluster answers there" in error
 
 
+# -- Ray token authentication: the decision (pure) and the shipped scripts ---------------------------
+
+
+def decide(auth: str, bind: str, why: str = "") -> tuple[str, str]:
+    return ray_auth_decision(auth, why, address="10.0.0.5:6379", gcs_address="10.0.0.5:6379", bind=bind)
+
+
+def test_an_open_ray_cluster_is_refused_when_the_controller_is_off_loopback():
+    for bind in ("10.0.0.5", "0.0.0.0", "head.example.net"):
+        verdict, line = decide(RAY_AUTH_OFF, bind)
+        assert verdict == "error" and "\n" not in line, (bind, line)
+        assert line.startswith("runtime.ray_address='10.0.0.5:6379': the Ray cluster at 10.0.0.5:6379 has no "
+                               "token authentication")
+        assert f"runtime.bind={bind} is off loopback" in line and "RAY_AUTH_MODE=token" in line
+        assert "RAY_AUTH_TOKEN_PATH" in line
+
+
+def test_ray_auth_is_fine_with_a_token_and_a_warning_where_it_cannot_be_refused():
+    assert decide(RAY_AUTH_ON, "10.0.0.5") == ("", "") and decide(RAY_AUTH_ON, "127.0.0.1") == ("", "")
+    # An open cluster with the controller on loopback: the token never leaves this machine, but Ray
+    # still runs code for anyone: said, not refused.
+    verdict, line = decide(RAY_AUTH_OFF, "127.0.0.1")
+    assert verdict == "warning" and "has no token authentication" in line
+    # Not known (TLS, Ray Client, ...): off loopback it is a warning naming why; on loopback nothing.
+    verdict, line = decide(RAY_AUTH_UNKNOWN, "10.0.0.5", why="RAY_USE_TLS is set")
+    assert verdict == "warning" and "could not tell" in line and "(RAY_USE_TLS is set)" in line
+    assert decide(RAY_AUTH_UNKNOWN, "localhost") == ("", "")
+
+
+def test_the_probe_cannot_tell_without_a_gcs_that_answers():
+    from conftest import free_port
+
+    for address in ("auto", "ray://10.0.0.5:10001", ""):
+        assert probe_gcs_auth(address)[0] == RAY_AUTH_UNKNOWN
+    auth, why = probe_gcs_auth(f"127.0.0.1:{free_port()}", timeout=2)
+    assert auth == RAY_AUTH_UNKNOWN and "UNAVAILABLE" in why
+
+
+SHIM = """#!{python}
+import json, os, sys, time
+path = os.environ.get("RAY_AUTH_TOKEN_PATH", "")
+try:
+    mode, token = oct(os.stat(path).st_mode & 0o777), open(path).read().strip()
+except OSError:
+    mode, token = None, None
+if os.path.basename(sys.argv[0]) == "python":  # the driver needs the cluster up: wait for every ray start
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and open(os.environ["SHIM_LOG"]).read().count('"start"') < int(
+            os.environ["SHIM_STARTS"]):
+        time.sleep(0.05)
+with open(os.environ["SHIM_LOG"], "a") as f:
+    f.write(json.dumps({{"argv": [os.path.basename(sys.argv[0])] + sys.argv[1:],
+                        "auth_mode": os.environ.get("RAY_AUTH_MODE"), "path": path, "mode": mode,
+                        "token": token}}) + "\\n")
+"""
+
+
+def _shims(tmp_path: Path, names: dict[str, str]) -> Path:
+    """Executables in tmp_path/bin: `names` maps a name to a shell body, or to "" for the recorder."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    for name, body in names.items():
+        exe = bin_dir / name
+        exe.write_text(SHIM.format(python=sys.executable) if not body else f"#!/bin/bash\n{body}\n")
+        exe.chmod(0o755)
+    return bin_dir
+
+
+def _clean_env(**extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "SLURM_", "RESILIENT_JAX_"))}
+    return {**env, **extra}
+
+
+def _calls(log: Path) -> list[dict]:
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def test_the_slurm_script_starts_ray_with_a_per_job_token_only_the_user_can_read(tmp_path):
+    """scripts/slurm/train.sbatch run with fake srun/scontrol/ray/python: every `ray start` (head and
+    workers) and the driver run with RAY_AUTH_MODE=token and the same 0600 token file, the token is
+    on no command line, each job gets its own, and the file is gone when the job ends."""
+    venv_bin = _shims(tmp_path / "venv", {"ray": "", "python": ""})
+    bin_dir = _shims(tmp_path, {
+        "srun": 'while [[ $1 == -* ]]; do [[ $1 == -w ]] && shift; shift; done; exec "$@"',
+        "scontrol": "printf 'use-n0\\nusw-n1\\neuw-n2\\n'",
+        "hostname": '[[ $1 == --ip-address ]] && echo 10.0.0.5 || echo use-n1',
+        "sleep": ":",
+    })
+    home = tmp_path / "home"
+    home.mkdir()
+    tokens = []
+    for job in ("101", "102"):
+        log = tmp_path / f"calls-{job}.jsonl"
+        log.write_text("")
+        env = _clean_env(PATH=f"{bin_dir}:{os.environ['PATH']}", HOME=str(home), VENV=str(venv_bin.parent),
+                         SLURM_JOB_ID=job, SLURM_JOB_NODELIST="n[0-2]", SHIM_LOG=str(log), SHIM_STARTS="3")
+        proc = subprocess.run(["bash", str(REPO / "scripts" / "slurm" / "train.sbatch"), "configs/x.yaml"],
+                              env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        calls = _calls(log)
+        starts = [c for c in calls if c["argv"][:2] == ["ray", "start"]]
+        drivers = [c for c in calls if c["argv"][0] == "python"]
+        assert len(starts) == 3 and sum("--head" in c["argv"] for c in starts) == 1 and len(drivers) == 1, calls
+        token_path = str(home / ".ray" / f"resilient_jax-{job}.token")
+        for call in starts + drivers:
+            assert call["auth_mode"] == "token", call
+            assert call["path"] == token_path and call["mode"] == "0o600", call
+            assert len(call["token"]) >= 32 and call["token"] == starts[0]["token"], call
+            assert not any(starts[0]["token"] in a for a in call["argv"]), call
+        assert not Path(token_path).exists()  # removed at the end of the job
+        tokens.append(starts[0]["token"])
+    assert tokens[0] != tokens[1]
+
+
+def test_the_ray_cluster_yaml_starts_every_node_with_the_mounted_token(tmp_path):
+    """scripts/ray/cluster.yaml: the start commands, run in bash on a fake node after its
+    file_mounts are copied there, start `ray start` (head and worker) with RAY_AUTH_MODE=token and
+    the mounted token file, which ends up 0600 even if it arrived readable by others."""
+    import shutil
+
+    import yaml
+
+    spec = yaml.safe_load((REPO / "scripts" / "ray" / "cluster.yaml").read_text())
+    local_home, node_home = tmp_path / "local", tmp_path / "node"
+    for role in ("head", "worker"):
+        log = tmp_path / f"calls-{role}.jsonl"
+        log.write_text("")
+        venv_bin = node_home / "resilient_jax" / ".venv"
+        _shims(venv_bin, {"ray": ""})
+        bin_dir = _shims(tmp_path, {"ray": "", "hostname": "echo euw-gpu-01"})
+        # `ray up` copies file_mounts (remote: local) to the node.
+        mounted = []
+        for remote, local in spec["file_mounts"].items():
+            src = Path(local.replace("~", str(local_home), 1))
+            src.parent.mkdir(parents=True, exist_ok=True)
+            src.write_text("the-cluster-token-" + "0" * 32)
+            dst = Path(remote.replace("~", str(node_home), 1))
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, dst)
+            dst.chmod(0o644)
+            mounted.append(str(dst))
+        env = _clean_env(PATH=f"{bin_dir}:{os.environ['PATH']}", HOME=str(node_home), SHIM_LOG=str(log),
+                         RAY_HEAD_IP="10.0.0.5")
+        for command in spec[f"{role}_start_ray_commands"]:
+            subprocess.run(["bash", "-c", command], env=env, capture_output=True, text=True, timeout=60, check=True)
+        starts = [c for c in _calls(log) if c["argv"][:2] == ["ray", "start"]]
+        assert len(starts) == 1 and ("--head" in starts[0]["argv"]) == (role == "head"), starts
+        assert starts[0]["auth_mode"] == "token" and starts[0]["path"] in mounted, starts
+        assert starts[0]["mode"] == "0o600" and starts[0]["token"].startswith("the-cluster-token-"), starts
+
+
 # -- a fake Ray cluster ----------------------------------------------------------------------------
 
 
@@ -155,6 +309,19 @@ def test_a_node_without_the_worker_resources_is_named(tmp_path, cluster):
         assert f"node {bad.node_id[:12]} ({bad.node_ip_address}) has resource {HOST_RESOURCE} but lacks CPU" in error
     finally:
         cluster.remove_node(bad)
+
+
+def test_the_probe_finds_the_test_cluster_open(cluster):
+    """The fixture's cluster runs without token auth: the GCS answers an unauthenticated call."""
+    assert probe_gcs_auth(cluster.address) == (RAY_AUTH_OFF, "")
+
+
+def test_an_open_cluster_is_refused_when_the_controller_listens_off_loopback(tmp_path, cluster):
+    ip = cluster.head_node.node_ip_address
+    proc = ray_cli(tmp_path, cluster, f"runtime.bind={ip}", "runtime.token=tok", "runtime.tls=auto")
+    error = assert_refused_before_training(proc, tmp_path)
+    assert f"error: runtime.ray_address='{cluster.address}': the Ray cluster at {cluster.address} has no token " \
+           f"authentication" in error and f"runtime.bind={ip} is off loopback" in error, error
 
 
 def test_a_region_short_of_labelled_nodes_fails_before_training(tmp_path, cluster):
@@ -307,6 +474,42 @@ def test_a_private_ray_instance_has_one_node_and_is_shut_down(tmp_path):
     assert _raylets() <= before
 
 
+@pytest.mark.slow
+def test_a_cluster_with_token_auth_is_told_apart_and_asks_the_driver_for_its_token(tmp_path):
+    """A head started as the scripts start it (RAY_AUTH_MODE=token, RAY_AUTH_TOKEN_PATH to a 0600
+    file): the probe sees token auth, and a driver without the token is told, in one line, to set
+    both variables."""
+    import shutil
+    import tempfile
+    from conftest import free_port
+
+    token = tmp_path / "token"
+    token.write_text("0123456789abcdef" * 4)
+    token.chmod(0o600)
+    port = free_port()
+    temp_dir = tempfile.mkdtemp(prefix="rj-ray-", dir="/tmp")  # Ray's socket paths must stay short
+    env = _clean_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token), HOME=str(tmp_path))
+    head = subprocess.Popen([str(Path(sys.executable).parent / "ray"), "start", "--head", f"--port={port}",
+                             "--num-cpus=1", "--include-dashboard=false", f"--temp-dir={temp_dir}", "--block"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        address = f"{ray.util.get_node_ip_address()}:{port}"
+        deadline = time.monotonic() + 60
+        while (auth := probe_gcs_auth(address, timeout=2))[0] == RAY_AUTH_UNKNOWN and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert auth == (RAY_AUTH_ON, "")
+        proc = run_cli("resilient_jax.train", "--config", CPU4, "--set", f"run.dir={tmp_path / 'run'}",
+                       "--set", "runtime.launcher=ray", "--set", f"runtime.ray_address={address}",
+                       env=_clean_env(HOME=str(tmp_path)), timeout=180)
+        error = assert_refused_before_training(proc, tmp_path / "run")
+        assert f"runtime.ray_address='{address}': the Ray cluster there requires a token" in error, error
+        assert "RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH" in error
+    finally:
+        head.terminate()
+        head.wait(timeout=60)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
 def _raylets() -> set[int]:
     found = set()
     for pid in os.listdir("/proc"):
@@ -316,3 +519,15 @@ def _raylets() -> set[int]:
         except (OSError, ValueError):
             continue
     return found
+
+
+def test_a_worker_log_that_cannot_go_to_run_dir_goes_to_the_actors_private_directory(tmp_path):
+    # Not a fixed name under /tmp: another account could have put a link there at <host>.log.
+    from resilient_jax.elastic.ray_actor import HostActor
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("in the way of run.dir")
+    private = tmp_path / "actor-private"
+    private.mkdir(mode=0o700)
+    assert HostActor._log_path(blocker / "logs", "h0", private) == private / "h0.log"
+    assert HostActor._log_path(tmp_path / "logs", "h0", private) == tmp_path / "logs" / "h0.log"

@@ -33,10 +33,19 @@ Limitations on a real multi-machine cluster: `resilient_jax` (same version) and 
 installed on every node; `run.dir` / `checkpoint.dir` must be on a filesystem all nodes share
 (workers write checkpoints); the config travels as content (the actor writes it to a local temp
 file). Worker logs go to `<run.dir>/elastic/logs/<host>.log` when that path is writable on the node,
-else to `$TMPDIR/resilient_jax_logs/<host>.log` on the node (the path is in the actor's `info()`).
+else to `<host>.log` in the actor's private temp directory on the node (the path is in its `info()`).
 The worker's environment is the node's (minus what Ray sets for its own worker processes) plus the
 driver's RESILIENT_JAX_* variables and the token; JAX/XLA settings come from the node and from
 `resilient_jax.gpu_env`, which the worker applies itself.
+
+Ray's own access control (`ray_auth_decision`): a Ray cluster runs code for anyone who can reach
+its GCS port, unless token authentication is on (RAY_AUTH_MODE=token on every `ray start` and on
+the driver, with the token in RAY_AUTH_TOKEN_PATH, RAY_AUTH_TOKEN or ~/.ray/auth_token). Such a
+client could also read this run's controller token from the actors' environment. So, attaching to a
+cluster with the controller off loopback, the launcher asks the GCS an unauthenticated question
+(`probe_gcs_auth`): a cluster that answers it is refused; one that cannot be asked (TLS, Ray
+Client, a timeout) is a warning. scripts/slurm/train.sbatch and scripts/ray/cluster.yaml start
+their clusters with token auth. A private instance (runtime.ray_address "") is not checked.
 """
 
 from __future__ import annotations
@@ -50,6 +59,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from resilient_jax.config import Config, ConfigError
+from resilient_jax.elastic.channel import is_loopback
 from resilient_jax.elastic.ray_actor import remote_host_actor
 from resilient_jax.elastic.ray_placement import (
     HOST_RESOURCE, Node, device_problem, is_worker_node, node_problem, pick_node, plan_placement, uses_gpus,
@@ -85,6 +95,65 @@ def _check_gcs_reachable(address: str, timeout: float = 5.0) -> None:
         raise ConfigError(f"runtime.ray_address={address!r}: no Ray cluster answers there ({e}); start one "
                           "(`ray start --head`) and use its address (or \"auto\" on a cluster node), or set "
                           "runtime.ray_address=\"\" for a private instance on this machine") from None
+
+
+# -- Ray token authentication -------------------------------------------------------------------
+
+RAY_AUTH_ON, RAY_AUTH_OFF, RAY_AUTH_UNKNOWN = "token", "off", "unknown"
+RAY_AUTH_HOWTO = ("start every `ray start` (head and workers) and this driver with RAY_AUTH_MODE=token and "
+                  "RAY_AUTH_TOKEN_PATH=<a 0600 file holding the cluster's token>, as scripts/slurm/train.sbatch "
+                  "and scripts/ray/cluster.yaml do")
+
+
+def probe_gcs_auth(gcs_address: str, timeout: float = 5.0) -> tuple[str, str]:
+    """Does the Ray cluster at `gcs_address` (host:port) require a token? Asks its GCS one read-only
+    question (NodeInfoGcsService.GetClusterId) on a bare gRPC channel that carries no token:
+    (RAY_AUTH_ON, "") when the GCS refuses it UNAUTHENTICATED, (RAY_AUTH_OFF, "") when it answers,
+    (RAY_AUTH_UNKNOWN, why) otherwise (unreachable, TLS, a ray:// address, ...)."""
+    if not gcs_address or gcs_address == "auto" or "://" in gcs_address or ":" not in gcs_address:
+        return RAY_AUTH_UNKNOWN, f"{gcs_address!r} is not a GCS host:port"
+    try:
+        import grpc
+        from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+    except ImportError as e:
+        return RAY_AUTH_UNKNOWN, f"cannot import Ray's gRPC stubs ({e})"
+    if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+        return RAY_AUTH_UNKNOWN, "RAY_USE_TLS is set (the probe speaks plain gRPC)"
+    channel = grpc.insecure_channel(gcs_address)
+    try:
+        stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
+        stub.GetClusterId(gcs_service_pb2.GetClusterIdRequest(), timeout=timeout)
+        return RAY_AUTH_OFF, ""
+    except grpc.RpcError as e:
+        if e.code() == grpc.StatusCode.UNAUTHENTICATED:
+            return RAY_AUTH_ON, ""
+        details = (e.details() or "").strip().splitlines()
+        return RAY_AUTH_UNKNOWN, f"the GCS probe got {e.code().name}" + (f": {details[0]}" if details else "")
+    finally:
+        channel.close()
+
+
+def ray_auth_decision(auth: str, why: str, *, address: str, gcs_address: str, bind: str) -> tuple[str, str]:
+    """What to do about an attached cluster's token authentication (`probe_gcs_auth`'s answer):
+    ("error", line) refuses the run, ("warning", line) logs it, ("", "") is fine. Off loopback the
+    controller token travels in the actors' environment, which any Ray client can read: an open
+    cluster is refused there. On loopback an open cluster is still a warning (it runs code for
+    anyone who reaches it); an unknown answer off loopback is a warning (it cannot be checked)."""
+    if auth == RAY_AUTH_ON:
+        return "", ""
+    off_loopback = not is_loopback(bind.strip("[]"))
+    where = f"the Ray cluster at {gcs_address}"
+    if auth == RAY_AUTH_OFF and off_loopback:
+        return "error", (f"runtime.ray_address={address!r}: {where} has no token authentication (it answers "
+                         f"clients without a token), so anyone who can reach it can run code on every node and "
+                         f"read this run's controller token (runtime.bind={bind} is off loopback); {RAY_AUTH_HOWTO}")
+    if auth == RAY_AUTH_OFF:
+        return "warning", (f"ray: {where} has no token authentication: anyone who can reach it can run code on "
+                           f"its nodes; {RAY_AUTH_HOWTO}")
+    if off_loopback:
+        return "warning", (f"ray: could not tell whether {where} has token authentication ({why}); make sure it "
+                           f"does: {RAY_AUTH_HOWTO}")
+    return "", ""
 
 
 # -- the launcher -----------------------------------------------------------------------------------
@@ -131,12 +200,20 @@ class RayLauncher:
                 _check_gcs_reachable(address)  # ray.init would retry an unreachable address for minutes
                 try:
                     ray.init(address=address, **quiet)
-                except (ConnectionError, ValueError, RuntimeError) as e:
+                except (ConnectionError, ValueError, RuntimeError, ray.exceptions.RayError) as e:
+                    sends_token = os.environ.get("RAY_AUTH_MODE", "").lower() == "token"  # else Ray sends none
+                    if not sends_token and probe_gcs_auth(address)[0] == RAY_AUTH_ON:
+                        raise ConfigError(f"runtime.ray_address={address!r}: the Ray cluster there requires a "
+                                          "token (token authentication is on) and this driver has none; set "
+                                          "RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH=<the cluster's token "
+                                          "file> for it") from None
                     raise ConfigError(f"runtime.ray_address={address!r}: could not attach to a Ray cluster "
                                       f"({str(e).splitlines()[0]}); start one (`ray start --head`) or set "
                                       "runtime.ray_address=\"\" for a private instance") from None
         try:
             self.address = ray.get_runtime_context().gcs_address
+            if not self._private:
+                self._check_ray_auth(address, cfg.runtime.bind)
             nodes = self._alive_nodes()
             self._planned, usable = plan_placement(cfg, nodes, self.address, private=self._private)
             self._check_reachable(usable)
@@ -272,6 +349,14 @@ class RayLauncher:
                 f"but the controller listens on {bind} (runtime.bind), which it cannot reach; set runtime.bind to "
                 f"this machine's cluster address (e.g. runtime.bind={here}) and a token (runtime.token or "
                 "$RESILIENT_JAX_TOKEN)")
+
+    def _check_ray_auth(self, address: str, bind: str) -> None:
+        verdict, line = ray_auth_decision(*probe_gcs_auth(self.address), address=address,
+                                          gcs_address=self.address, bind=bind)
+        if verdict == "error":
+            raise ConfigError(line)
+        if verdict == "warning":
+            log.warning("%s", line)
 
     def _bump_index(self, host: str) -> None:
         if host[:1] == "h" and host[1:].isdigit():
