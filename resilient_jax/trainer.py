@@ -525,7 +525,10 @@ class Trainer:
             if step < end or (step >= cfg.train.steps and loop.eval_due(step)):  # steps, or the last eval
                 loop.compile(state)
             for state, step in loop.run(state, step, end):
-                if loop.preempted:  # SIGTERM / Ctrl-C: the checkpoint of this step is being written
+                # SIGTERM / Ctrl-C: the checkpoint of this step is being written. One that lands in
+                # the last step stops nothing: the run is complete (its last evaluation runs), as the
+                # elastic worker decides at its boundaries too.
+                if loop.preempted and step < cfg.train.steps:
                     stopped = ckpt.stop_reason or "preempted"
                     break
             else:

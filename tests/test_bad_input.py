@@ -26,11 +26,13 @@ def tree(root: Path) -> dict[str, bytes | None]:
 
 
 @pytest.fixture
-def workdir(tmp_path, monkeypatch):
-    """An empty current directory (relative paths land here) with a file and an empty dir in it."""
+def workdir(tmp_path, monkeypatch, default_dataset):
+    """An empty current directory (relative paths land here) with a file, an empty dir and a link to
+    the training dataset in it."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "a-file").write_text("precious\n")
     (tmp_path / "empty-dir").mkdir()
+    (tmp_path / "train-data").symlink_to(default_dataset.root)
     return tmp_path
 
 
@@ -86,6 +88,9 @@ CASES = [
      "fault nan_shard:15@3: shard 15 is held out for evaluation (eval.holdout_shards 2: shards 14..15)"),
     (["--set", "eval.every_steps=10", "--set", "eval.dataset=empty-dir"],
      "config key eval.dataset: {cwd}/empty-dir holds no dataset (manifest.json); prepare it"),
+    (["--set", "eval.every_steps=10", "--set", "eval.dataset=train-data"],
+     "config key eval.dataset: {cwd}/train-data is the training dataset (the same shard contents), so its loss "
+     "would not be held out; prepare held-out text into its own dataset, or set eval.holdout_shards instead"),
 ]
 
 

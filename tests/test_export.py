@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -214,6 +215,16 @@ def test_another_models_weights_keep_their_checkpoint_names():
     assert config == {"format": "resilient_jax", "model": {"d_model": 3}}
 
 
+def test_a_model_of_your_own_with_the_builtins_parameter_names_keeps_its_checkpoint_names(trained):
+    # Built from TransformerLM, with settings config.json would take from the built-in's keys.
+    step_dir, _ = trained
+    ckpt = reader.load(step_dir)
+    run_config = {**ckpt.config["config"], "model": {**ckpt.config["config"]["model"], "factory": "my_lm:build"}}
+    layout, tensors, config = export_lib.export_tensors(ckpt.weights, run_config)
+    assert layout == "generic" and "embed" in tensors and config["model"]["factory"] == "my_lm:build"
+    assert export_lib.export_tensors(ckpt.weights, ckpt.config["config"])[0] == "llama"
+
+
 def test_rms_norm_eps_is_the_models():
     import inspect
 
@@ -249,6 +260,21 @@ def test_bad_input_is_one_line_and_writes_nothing(trained, tmp_path):
     assert f"--out {busy} already exists and is not empty" in line
     assert [p.name for p in busy.iterdir()] == ["mine.txt"] and (busy / "mine.txt").read_text() == "keep me"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["7", "busy", "notes"]  # no out dir, no temp dir
+
+
+def test_an_out_inside_the_checkpoint_or_at_the_current_directory_is_refused(trained, tmp_path, monkeypatch):
+    step_dir, _ = trained
+    for out, problem in ((step_dir / "hf", "is inside the checkpoint"),
+                         (step_dir.parent / "9", "is a step name in its root")):
+        line = _export_cli(str(step_dir), "--out", str(out))
+        assert f"--out {out} {problem} {step_dir.resolve()}" in line and not out.exists(), line
+    assert reader.verify(step_dir) == []
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    with pytest.raises(export_lib.ExportError, match="is the current directory .*e.g. --out"):
+        export_lib.export(step_dir, ".")
+    assert list(here.iterdir()) == [] and Path.cwd() == here
 
 
 def test_export_into_an_empty_directory(trained, tmp_path):

@@ -86,3 +86,23 @@ def test_a_finished_run_rerun_with_an_earlier_stop_at_is_complete_not_stopped(tm
     assert again["params_fingerprint"] == first["params_fingerprint"]
     # Its last evaluation (of step 4's state, which it resumed from) ran on a step compiled before it.
     assert [r["step"] for r in again["eval"]["history"]] == [4] and again["compile_seconds"] > 0
+
+
+def test_a_signal_in_the_last_step_completes_the_run_with_its_last_evaluation(tmp_path):
+    import os
+    import signal
+
+    cfg = tiny_config(tmp_path, "train.steps=4", *EVAL)
+    trainer = Trainer(cfg, devices=jax.devices()[:8])
+    compute = trainer.compute_finite
+
+    def preempted_during_the_last_step(params, loader, step, *args):
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # what a cluster's preemption sends
+        return compute(params, loader, step, *args)
+
+    trainer.compute_finite = preempted_during_the_last_step
+    summary = trainer.run()
+    assert (summary["final_step"], summary["stopped"]) == (4, None)
+    assert [r["step"] for r in summary["eval"]["history"]] == [2, 4]
+    assert summary["checkpoint"]["saves"][-1] == 4

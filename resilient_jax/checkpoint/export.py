@@ -41,6 +41,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from resilient_jax.checkpoint import reader
+from resilient_jax.config import BUILTIN_MODEL
 
 FORMATS = ("safetensors",)
 WEIGHTS_FILE = "model.safetensors"
@@ -151,8 +152,10 @@ def llama_config(weights: dict[str, Any], run_config: dict[str, Any]) -> dict[st
 
 
 def export_tensors(weights: dict[str, Any], run_config: dict[str, Any]) -> tuple[str, dict[str, np.ndarray], dict]:
-    """(layout, tensors, config.json contents) for a checkpoint's weights tree and run config."""
-    if is_builtin_lm(weights):
+    """(layout, tensors, config.json contents) for a checkpoint's weights tree and run config. Llama
+    only for the built-in model: a model of your own may share its parameter names (one built from
+    TransformerLM does) but not its settings, which config.json would take from the built-in's keys."""
+    if run_config.get("model", {}).get("factory", BUILTIN_MODEL) == BUILTIN_MODEL and is_builtin_lm(weights):
         return "llama", llama_tensors(weights), llama_config(weights, run_config)
     tensors = {name: np.ascontiguousarray(a) for name, a in reader.flatten(weights).items()}
     return "generic", tensors, {"format": "resilient_jax", "model": run_config.get("model", {})}
@@ -161,7 +164,17 @@ def export_tensors(weights: dict[str, Any], run_config: dict[str, Any]) -> tuple
 # -- writing -------------------------------------------------------------------------------------------------
 
 
-def _check_out(out_dir: Path) -> None:
+def _check_out(out_dir: Path, step_dir: Path | None = None) -> None:
+    here = Path.cwd().resolve()
+    if out_dir.resolve() in (here, *here.parents):  # the export is renamed over it: the shell would sit nowhere
+        raise ExportError(f"--out {out_dir} is the current directory (or holds it), which the export would "
+                          f"replace: name a new directory, e.g. --out {out_dir / 'export'}")
+    if step_dir is not None:
+        step_dir = step_dir.resolve()
+        inside = step_dir in out_dir.resolve().parents
+        if inside or (out_dir.resolve().parent == step_dir.parent and out_dir.name.isdigit()):
+            raise ExportError(f"--out {out_dir} is {'inside the checkpoint' if inside else 'a step name in its root'} "
+                              f"{step_dir}, which must hold only what its save wrote: export next to it instead")
     if out_dir.exists() and not out_dir.is_dir():
         raise ExportError(f"--out {out_dir} is a file: name a new or empty directory")
     if out_dir.is_dir() and any(out_dir.iterdir()):
@@ -176,6 +189,7 @@ def export(path: str | Path, out_dir: str | Path, fmt: str = "safetensors") -> E
     out_dir = Path(out_dir).absolute()
     _check_out(out_dir)
     ckpt = reader.load(path)  # every checksum verified; raises CheckpointError naming the field
+    _check_out(out_dir, ckpt.path)
     layout, tensors, config = export_tensors(ckpt.weights, ckpt.config["config"])
     metadata = {"format": "pt", "resilient_jax_step": str(ckpt.step),
                 "resilient_jax_config_hash": ckpt.config["hash"],

@@ -110,6 +110,12 @@ def check_compatible(evalset: Manifest, train: Manifest) -> None:
     if evalset.seq_len != train.seq_len:
         raise DatasetError(f"{where} has seq_len {evalset.seq_len}, the training data {train.seq_len}; prepare "
                            f"it again with --seq-len {train.seq_len}")
+    trained = {shard.sha256 for shard in train.shards}
+    shared = [shard.file for shard in evalset.shards if shard.sha256 in trained]
+    if shared:  # the same dataset, or shards of it: "held-out" loss would be measured on training data
+        what = "is the training dataset" if len(shared) == len(evalset.shards) else f"shares {', '.join(shared)} with it"
+        raise DatasetError(f"{where} {what} (the same shard contents), so its loss would not be held out; "
+                           "prepare held-out text into its own dataset, or set eval.holdout_shards instead")
 
 
 def _cut(manifest: Manifest, ids: np.ndarray, global_batch: int, batches: int, source: str, what: str) -> EvalSet:
