@@ -42,7 +42,7 @@ from resilient_jax import step as step_lib
 from resilient_jax.checkpoint.session import CheckpointSession
 from resilient_jax.config import DEFAULT_LOSS, Config, DataConfig
 from resilient_jax.data.evalset import build_eval_set, check_held_out, holdout_quarantine
-from resilient_jax.data.location import check_buildable
+from resilient_jax.data.location import check_buildable, check_prepared_as_configured
 from resilient_jax.fingerprinting import params_fingerprint
 from resilient_jax.metrics import MetricsLog, StepWindow
 from resilient_jax.model import count_params
@@ -71,6 +71,7 @@ def resolve_dataset(cfg: DataConfig, verified: data_lib.Manifest | None = None) 
     would make recovery cost grow with the corpus.
     """
     path = check_buildable(cfg)
+    check_prepared_as_configured(cfg, path)
     manifest = data_lib.ensure_dataset(path, src=cfg.src, shards=cfg.shards, seq_len=cfg.seq_len,
                                        tokenizer=cfg.tokenizer, fmt=cfg.format,
                                        text_field=cfg.text_field)  # loads the manifest and checks sizes

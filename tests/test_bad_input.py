@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from resilient_jax import train
+from resilient_jax.data import prepare_dataset
 
 from conftest import REPO, TINY, run_cli
 
@@ -33,6 +34,9 @@ def workdir(tmp_path, monkeypatch, default_dataset):
     (tmp_path / "a-file").write_text("precious\n")
     (tmp_path / "empty-dir").mkdir()
     (tmp_path / "train-data").symlink_to(default_dataset.root)
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "a.txt").write_text("a dataset of your own, prepared with other settings\n" * 200)
+    prepare_dataset(tmp_path / "text", tmp_path / "mine", shards=4, seq_len=32)
     return tmp_path
 
 
@@ -64,6 +68,8 @@ CASES = [
     (["--set", "data.dataset=data/typo"], "data.dataset {cwd}/data/typo does not exist"),
     (["--set", "data.dataset=empty-dir"], "data.dataset {cwd}/empty-dir holds no dataset"),
     (["--set", "data.dataset=a-file"], "data.dataset {cwd}/a-file is a file, not a dataset directory"),
+    (["--set", "data.dataset=mine"], "data.dataset {cwd}/mine was prepared with other settings: set data.shards=4 "
+                                     "(not 16), data.seq_len=32 (not 64), or point data.dataset at another directory"),
     (["--set", "data.dataset=a-file", "--set", "data.build_if_missing=true"],
      "data.dataset {cwd}/a-file is a file, not a dataset directory"),
     (["--set", "optimizer.lr=nan"], "config key optimizer.lr: must be a finite number, got nan"),

@@ -193,6 +193,15 @@ def test_a_trained_tokenizer_json_round_trips_and_its_hash_is_in_manifest_and_po
     other_sha = hashlib.sha256(other.read_bytes()).hexdigest()
     with pytest.raises(DatasetError, match=rf"tokenizer 'hf' sha256 {sha}, the requested one is 'hf' sha256 {other_sha}"):
         ensure_dataset(tmp_path / "ds", src, shards=2, seq_len=32, tokenizer=f"hf:{other}")
+    # A run's config naming the dataset: every key that differs, with the value to set it to.
+    from resilient_jax.config import DataConfig
+    from resilient_jax.data.location import check_prepared_as_configured
+
+    asked = DataConfig(dataset=str(tmp_path / "ds"), shards=4, seq_len=32, tokenizer="bytes")
+    with pytest.raises(DatasetError, match=rf"^data.dataset {tmp_path / 'ds'} was prepared with other settings: set "
+                                           rf"data.shards=2 \(not 4\), data.tokenizer=hf:<the file it was prepared "
+                                           rf"with, sha256 {sha[:12]}> \(not bytes\), or point data.dataset at"):
+        check_prepared_as_configured(asked, tmp_path / "ds")
     retokenized = prepare_dataset(src, tmp_path / "ds2", shards=2, seq_len=32, tokenizer=f"hf:{other}")
     with pytest.raises(DatasetError, match=rf"saved with tokenizer sha256 {sha}, the dataset's tokenizer is sha256 {other_sha}"):
         HostBatchLoader.from_position(retokenized, position, seed=0, global_batch=2)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from resilient_jax.config import DataConfig
 from resilient_jax.data.errors import DatasetError
-from resilient_jax.data.manifest import MANIFEST_NAME
+from resilient_jax.data.manifest import MANIFEST_NAME, load_manifest
 from resilient_jax.data.sources import DEFAULT_SOURCE
 
 
@@ -54,3 +54,27 @@ def _build_flags(cfg: DataConfig) -> str:
     flags = [("--format", cfg.format, "auto"), ("--text-field", cfg.text_field, "text"),
              ("--tokenizer", cfg.tokenizer, "bytes")]
     return "".join(f" {flag} {value}" for flag, value, default in flags if value != default)
+
+
+def check_prepared_as_configured(cfg: DataConfig, path: Path) -> None:
+    """A dataset already prepared at `path` has the config's data.shards, data.seq_len and
+    data.tokenizer, or one line names every key that differs with the dataset's value (to set it
+    to), so a dataset of your own trains at the first correction, not the third."""
+    if not (path / MANIFEST_NAME).is_file():
+        return
+    from resilient_jax.data.tokenizer import get_tokenizer
+
+    manifest, tokenizer = load_manifest(path), get_tokenizer(cfg.tokenizer)
+    differ = []
+    if len(manifest.shards) != cfg.shards:
+        differ.append(f"data.shards={len(manifest.shards)} (not {cfg.shards})")
+    if manifest.seq_len != cfg.seq_len:
+        differ.append(f"data.seq_len={manifest.seq_len} (not {cfg.seq_len})")
+    if (manifest.tokenizer, manifest.tokenizer_sha256 or tokenizer.sha256) != (tokenizer.name, tokenizer.sha256):
+        # A file tokenizer is named by its kind only in the manifest; its file is known by its hash.
+        prepared = (f"{manifest.tokenizer}:<the file it was prepared with, sha256 {manifest.tokenizer_sha256[:12]}>"
+                    if manifest.tokenizer in ("hf", "sp") and manifest.tokenizer_sha256 else manifest.tokenizer)
+        differ.append(f"data.tokenizer={prepared} (not {cfg.tokenizer})")
+    if differ:
+        raise DatasetError(f"data.dataset {path} was prepared with other settings: set {', '.join(differ)}, or "
+                           "point data.dataset at another directory")
