@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -66,6 +67,27 @@ def test_other_config_hash_is_refused_with_both_hashes_named(controller):
         client.call("/register", retry_seconds=0, host="h0", region="us", devices=2, config_hash="b" * 64)
     assert "aaaaaaaa" in str(err.value)
     assert controller.members == {}
+
+
+def test_a_host_with_other_devices_or_an_unknown_region_is_refused_and_the_run_goes_on(tmp_path):
+    # A hand-started worker with --devices 8 in a 2-device-per-host run once joined the next world
+    # and broke its mesh for every member ("cannot reshape array of size 16 into shape (5,2)").
+    ctl = Controller(config_hash="a" * 64, expected_hosts=2, run_dir=tmp_path, token="t", dead_after_seconds=60,
+                     devices_per_host=2, regions=("us", "eu"))
+    try:
+        client = ControllerClient(ctl.url, "t")
+        with pytest.raises(ControllerError, match=r"^worker h50 has 8 devices, this run's hosts 2 "
+                                                  r"\(topology.devices_per_host\); start it with --devices 2$"):
+            client.call("/register", retry_seconds=0, host="h50", region="eu", devices=8, config_hash="a" * 64)
+        with pytest.raises(ControllerError, match=r"^worker h51: region 'eu-west' is not one of this run's "
+                                                  r"\(topology.regions: us, eu\); start it with --region"):
+            client.call("/register", retry_seconds=0, host="h51", region="eu-west", devices=2, config_hash="a" * 64)
+        assert ctl.members == {}
+        for host, region in (("h0", "us"), ("h1", "eu")):
+            client.call("/register", host=host, region=region, devices=2, config_hash="a" * 64)
+        assert client.call("/world", host="h1", after=-1)["world"]["members"] == ["h0", "h1"]
+    finally:
+        ctl.close()
 
 
 def test_world_forms_when_every_expected_host_registered(controller):
@@ -283,3 +305,36 @@ def test_the_cold_start_is_launch_to_the_first_step_and_each_recovery_is_compare
         assert event["recovery_vs_cold_start"] == round(event["recovery_seconds"] / cold, 3)
     finally:
         ctl.close()
+
+
+def _status_files(run_dir, *, error=None):
+    (run_dir / "elastic").mkdir(parents=True)
+    (run_dir / "elastic" / "status.json").write_text(json.dumps({
+        "controller": "http://127.0.0.1:1", "generation": 0, "step": 21, "finished": False, "error": error,
+        "members": {"h0": {"region": "us", "status": "active", "generation": 0, "step": 21, "step_seconds": 0.1}},
+        "events": []}))
+
+
+def test_status_of_a_run_whose_driver_was_killed_says_so_and_how_to_resume(tmp_path, capsys):
+    import socket
+    import subprocess
+    import sys
+
+    from resilient_jax.elastic.__main__ import drain, status
+
+    _status_files(tmp_path)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(gone.stdout)  # exited: a driver SIGKILLed without removing controller.json
+    (tmp_path / "elastic" / "controller.json").write_text(
+        json.dumps({"url": "http://127.0.0.1:1", "pid": pid, "host": socket.gethostname()}))
+    assert status(tmp_path) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith(f"the run is not running: its driver (pid {pid}) is gone without finishing") and \
+        first.endswith("Rerun the train command to resume from the last checkpoint"), first
+    assert drain(tmp_path, "h0") == 2 and f"its driver (pid {pid}) is gone" in capsys.readouterr().err
+    # A failed invocation's status is not spoken for by an earlier invocation's summary.json.
+    other = tmp_path / "failed"
+    _status_files(other, error="worker h0 failed: ...")
+    (other / "summary.json").write_text(json.dumps({"stopped": "stop_at", "final_step": 30}))
+    assert status(other) == 0
+    assert capsys.readouterr().out.splitlines()[0] == "the run is over: it failed (the error is below)"

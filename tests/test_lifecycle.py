@@ -122,3 +122,33 @@ def test_an_unwritable_journal_warns_once_and_the_worker_goes_on(tmp_path, caplo
         life.fire(E.FROM_DISK)
     assert life.state is S.RESTORING and life.journal is None
     assert caplog.text.count("could not append to the lifecycle journal") == 1
+
+
+def test_a_planned_world_change_lets_the_save_in_flight_commit_unless_a_member_dies(caplog):
+    # Leaving shuts the coordination service down, which the save's commit barriers go through: a
+    # join or drain during a save lost that checkpoint. Now the worker waits for it -- until a
+    # verdict that a member died (`abort` clears coordinator_port), which ends the wait.
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from resilient_jax.elastic.worker import Worker
+
+    class SlowCommit:
+        def __init__(self, seconds):
+            self.seconds, self.closed_at = seconds, None
+
+        def close(self):
+            time.sleep(self.seconds)
+            self.closed_at = time.perf_counter()
+
+    worker, ckpt = SimpleNamespace(coordinator_port=4242), SlowCommit(0.5)
+    Worker._commit_before_leaving(worker, ckpt)
+    assert ckpt.closed_at is not None  # returned only once the save committed
+
+    ckpt = SlowCommit(30)
+    threading.Timer(0.3, lambda: setattr(worker, "coordinator_port", None)).start()  # the verdict
+    started = time.perf_counter()
+    Worker._commit_before_leaving(worker, ckpt)
+    assert time.perf_counter() - started < 5 and ckpt.closed_at is None
+    assert "a member died while the checkpoint in flight committed" in caplog.text

@@ -8,10 +8,36 @@ import sys
 from pathlib import Path
 
 
-def _run_over(run_dir: Path) -> str | None:
-    """How the run ended, when no driver is running it (it removes controller.json as it exits)."""
-    if (run_dir / "elastic" / "controller.json").is_file():
+def _driver_gone(info: Path) -> str | None:
+    """Why the driver that wrote controller.json is not running any more (killed: it removes the
+    file when it exits), or None. Only a driver on this machine can be checked."""
+    import os
+    import socket
+
+    try:
+        controller = json.loads(info.read_text())
+        pid, host = int(controller["pid"]), controller.get("host")
+    except (OSError, ValueError, KeyError, TypeError):
         return None
+    if host != socket.gethostname():
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return (f"the run is not running: its driver (pid {pid}) is gone without finishing (killed?); what "
+                "follows is its last status. Rerun the train command to resume from the last checkpoint")
+    except PermissionError:
+        pass  # alive, another account's
+    return None
+
+
+def _run_over(run_dir: Path, status: dict | None = None) -> str | None:
+    """How the run ended, when no driver is running it (it removes controller.json as it exits)."""
+    info = run_dir / "elastic" / "controller.json"
+    if info.is_file():
+        return _driver_gone(info)
+    if status and status.get("error"):  # summary.json, if any, is an earlier invocation's
+        return "the run is over: it failed (the error is below)"
     try:
         summary = json.loads((run_dir / "summary.json").read_text())
     except (OSError, ValueError):
@@ -28,7 +54,7 @@ def status(run_dir: Path) -> int:
         print(f"error: {path} not found: is {run_dir} the run.dir of an elastic run?", file=sys.stderr)
         return 2
     st = json.loads(path.read_text())
-    over = _run_over(run_dir)
+    over = _run_over(run_dir, st)
     if over:
         print(over)
     print(f"controller {st['controller']}  generation {st['generation']}  step {st['step']}"

@@ -187,7 +187,8 @@ class Controller:
                  run_options: dict | None = None, history: RunHistory | None = None,
                  tls: ServerTls | None = None, assignment: str = "uniform", coordination_heartbeat_seconds: int = 30,
                  hosts_per_replica: int = 1, min_replicas: int = 1, cross_region_replica: bool = False,
-                 launched_at: float | None = None):
+                 launched_at: float | None = None, devices_per_host: int | None = None,
+                 regions: tuple[str, ...] = ()):
         """`console` receives one sentence per event and a progress line per logged step (the
         driver prints them); `run_options` go to every worker as it registers (this invocation's
         --resume / --allow-config-change / --stop-at); `history` is the run's record across
@@ -200,8 +201,11 @@ class Controller:
         `hosts_per_replica` > 1: the membership unit is a replica group of that many hosts
         (resilient_jax.elastic.groups); fewer complete groups than `min_replicas` fail the run.
         `launched_at`: time.monotonic() when the run was launched (default: now); the cold start,
-        launch -> generation 0's first step done, is what each recovery is compared with."""
+        launch -> generation 0's first step done, is what each recovery is compared with.
+        `devices_per_host`, `regions` (topology.*): what a registering host must have and be in; a
+        hand-started worker with another --devices would break the next world's mesh for everyone."""
         channel.check_bind(bind, token, tls is not None)
+        self.devices_per_host, self.regions = devices_per_host, tuple(regions)
         self.config_hash = config_hash
         self.expected_hosts = expected_hosts
         self.run_dir = Path(run_dir)
@@ -265,6 +269,14 @@ class Controller:
             raise channel.Refused(
                 409, f"worker {host} runs config {config_hash[:16]}..., this run is {self.config_hash[:16]}...; "
                      "start it with the run's config")
+        if self.devices_per_host is not None and devices != self.devices_per_host:
+            raise channel.Refused(
+                409, f"worker {host} has {devices} devices, this run's hosts {self.devices_per_host} "
+                     f"(topology.devices_per_host); start it with --devices {self.devices_per_host}")
+        if self.regions and region not in self.regions:
+            raise channel.Refused(
+                409, f"worker {host}: region {region!r} is not one of this run's (topology.regions: "
+                     f"{', '.join(self.regions)}); start it with --region set to one of them")
         with self._lock:
             existing = self.members.get(host)
             if existing is not None and existing.status in ("registered", "spare", "active"):

@@ -23,6 +23,7 @@ import re
 import secrets
 import shutil
 import signal
+import socket
 import sys
 import threading
 import time
@@ -152,9 +153,10 @@ def _drive(cfg: Config, run_dir: Path, options: dict, history: RunHistory, launc
         coordination_heartbeat_seconds=cfg.runtime.coordination_heartbeat_seconds,
         hosts_per_replica=cfg.parallel.hosts_per_replica, min_replicas=cfg.runtime.min_replicas,
         cross_region_replica=cfg.parallel.allow_cross_region_replica, launched_at=launched_at,
+        devices_per_host=cfg.topology.devices_per_host, regions=tuple(r.name for r in cfg.topology.regions),
     )
     controller_file = run_dir / "elastic" / "controller.json"
-    controller_file.write_text(json.dumps({"url": controller.url, "pid": os.getpid(),
+    controller_file.write_text(json.dumps({"url": controller.url, "pid": os.getpid(), "host": socket.gethostname(),
                                            "tls_ca": str(server_tls.ca.resolve()) if server_tls else None}))
     # For the operator's commands (`python -m resilient_jax.elastic drain`): readable by this user only.
     token_file = run_dir / "elastic" / "token"

@@ -731,6 +731,8 @@ class Worker:
             self.precompiler = None
             if waited > 0.5:
                 log.info("waited %.2f s for the background compile in flight before leaving the world", waited)
+        if ckpt is not None and self.life.state is State.LEAVING and self.life.leave_reason == "change":
+            self._commit_before_leaving(ckpt)
         with self._world_lock:  # no abort may land on the next world's connections
             if self.coordinator_port is not None and self.life.state is State.LEAVING \
                     and self.life.leave_reason == "failure":
@@ -744,6 +746,30 @@ class Worker:
                          n, self.generation)
             self.coordinator_port = None
         world_lib.leave(before_reset=None if ckpt is None else ckpt.close)
+
+    def _commit_before_leaving(self, ckpt) -> None:
+        """A planned change (a join, a drain, a reslot: every member alive, all leaving at this
+        boundary): the checkpoint save in flight commits before the world is left -- its barriers
+        go through the coordination service, which leaving shuts down, and the save was lost. A
+        verdict that a member died meanwhile (`abort`) ends the wait: then the save is lost, as in
+        any failure, and the run goes on from the previous checkpoint."""
+        done, failed = threading.Event(), []
+
+        def close() -> None:
+            try:
+                ckpt.close()
+            except Exception as e:  # CheckpointSaveError: one line, already naming the step
+                failed.append(e)
+            finally:
+                done.set()
+
+        threading.Thread(target=close, name="checkpoint-commit-before-leaving", daemon=True).start()
+        while not done.wait(0.1):
+            if self.coordinator_port is None:
+                log.warning("a member died while the checkpoint in flight committed: leaving without it")
+                return
+        if failed:
+            log.warning("leaving the world: %s", failed[0])
 
     def _steps(self, trainer, loop, state, step: int) -> tuple[Event, str]:
         """Run steps until the run ends or this world must be left; the event that ends the
