@@ -77,7 +77,7 @@ class ModelDef:
         except Exception as e:
             if self.builtin:
                 raise  # the framework's own model: a bug to see whole, not a config to fix
-            raise _factory_error(f"the model of {self.cfg.factory}, called on tokens [2, {seq_len}],", e) from None
+            raise _plugin_error(f"the model of {self.cfg.factory}, called on tokens [2, {seq_len}],", e) from None
         shape, dtype = getattr(out, "shape", None), getattr(out, "dtype", None)
         if (shape is None or len(shape) != 3 or tuple(shape[:2]) != (2, seq_len) or shape[2] < vocab_size
                 or not jnp.issubdtype(dtype, jnp.floating)):
@@ -155,7 +155,7 @@ def make_model_def(cfg: ModelConfig, import_dir: str = "") -> ModelDef:
     except Exception as e:
         if cfg.factory == BUILTIN_MODEL:
             raise  # the framework's own model: a bug to see whole, not a config to fix
-        raise _factory_error(f"{cfg.factory}(model.args={args}, rngs)", e) from None
+        raise _plugin_error(f"{cfg.factory}(model.args={args}, rngs)", e) from None
     graphdef, state = nnx.split(abstract, nnx.Param)
     specs = nnx.to_pure_dict(nnx.get_partition_spec(state))
     logical = jax.tree.map(tuple, specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
@@ -170,7 +170,7 @@ _LIBRARY_DIRS = tuple({os.path.dirname(os.path.abspath(module.__file__)) + os.se
                          for name in ("stdlib", "platstdlib", "purelib", "platlib")})
 
 
-def _factory_error(what: str, e: BaseException, key: str = "model.factory",
+def _plugin_error(what: str, e: BaseException, key: str = "model.factory",
                    fix: str = "fix your model code or model.args") -> ConfigError:
     """One line for an exception raised by a plug-in of the user's: the key, the exception and the
     user's file:line (the whole traceback is mostly JAX's and flax's tracing machinery)."""
@@ -191,7 +191,7 @@ def check_loss(loss_fn: Callable, spec: str, seq_len: int, vocab_size: int) -> N
     try:
         out = jax.eval_shape(lambda lg, t, w: loss_fn(lg, t, w, key=jax.random.key(0)), logits, targets, weights)
     except Exception as e:
-        raise _factory_error(f"{spec}, called on logits [2, {seq_len}, {vocab_size}],", e, key="task.loss",
+        raise _plugin_error(f"{spec}, called on logits [2, {seq_len}, {vocab_size}],", e, key="task.loss",
                              fix="fix your loss (resilient_jax.losses describes what it is given)") from None
     shape, dtype = getattr(out, "shape", None), getattr(out, "dtype", None)
     if shape != (2,) or not jnp.issubdtype(dtype, jnp.floating):

@@ -164,22 +164,25 @@ def export_tensors(weights: dict[str, Any], run_config: dict[str, Any]) -> tuple
 # -- writing -------------------------------------------------------------------------------------------------
 
 
-def _check_out(out_dir: Path, step_dir: Path | None = None) -> None:
+def _check_out(out_dir: Path) -> None:
     here = Path.cwd().resolve()
     if out_dir.resolve() in (here, *here.parents):  # the export is renamed over it: the shell would sit nowhere
         raise ExportError(f"--out {out_dir} is the current directory (or holds it), which the export would "
                           f"replace: name a new directory, e.g. --out {out_dir / 'export'}")
-    if step_dir is not None:
-        step_dir = step_dir.resolve()
-        inside = step_dir in out_dir.resolve().parents
-        if inside or (out_dir.resolve().parent == step_dir.parent and out_dir.name.isdigit()):
-            raise ExportError(f"--out {out_dir} is {'inside the checkpoint' if inside else 'a step name in its root'} "
-                              f"{step_dir}, which must hold only what its save wrote: export next to it instead")
     if out_dir.exists() and not out_dir.is_dir():
         raise ExportError(f"--out {out_dir} is a file: name a new or empty directory")
     if out_dir.is_dir() and any(out_dir.iterdir()):
         raise ExportError(f"--out {out_dir} already exists and is not empty: name a new or empty directory "
                           "(nothing was written)")
+
+
+def _check_outside(out_dir: Path, step_dir: Path) -> None:
+    """`out_dir` adds nothing to the checkpoint it exports: not inside its step directory, not a step name in its root."""
+    out, step_dir = out_dir.resolve(), step_dir.resolve()
+    inside = step_dir in out.parents
+    if inside or (out.parent == step_dir.parent and out.name.isdigit()):
+        raise ExportError(f"--out {out_dir} is {'inside the checkpoint' if inside else 'a step name in its root'} "
+                          f"{step_dir}, which must hold only what its save wrote: export next to it instead")
 
 
 def export(path: str | Path, out_dir: str | Path, fmt: str = "safetensors") -> Export:
@@ -189,7 +192,7 @@ def export(path: str | Path, out_dir: str | Path, fmt: str = "safetensors") -> E
     out_dir = Path(out_dir).absolute()
     _check_out(out_dir)
     ckpt = reader.load(path)  # every checksum verified; raises CheckpointError naming the field
-    _check_out(out_dir, ckpt.path)
+    _check_outside(out_dir, ckpt.path)
     layout, tensors, config = export_tensors(ckpt.weights, ckpt.config["config"])
     metadata = {"format": "pt", "resilient_jax_step": str(ckpt.step),
                 "resilient_jax_config_hash": ckpt.config["hash"],

@@ -12,7 +12,7 @@ import os
 import re
 from pathlib import Path
 
-from resilient_jax.config import DataConfig
+from resilient_jax.config import TOKENIZER_FILE_KINDS, DataConfig
 from resilient_jax.data.errors import DatasetError
 from resilient_jax.data.manifest import MANIFEST_NAME, load_manifest
 from resilient_jax.data.sources import DEFAULT_SOURCE
@@ -73,7 +73,7 @@ def check_prepared_as_configured(cfg: DataConfig, path: Path) -> None:
     if (manifest.tokenizer, manifest.tokenizer_sha256 or tokenizer.sha256) != (tokenizer.name, tokenizer.sha256):
         # A file tokenizer is named by its kind only in the manifest; its file is known by its hash.
         prepared = (f"{manifest.tokenizer}:<the file it was prepared with, sha256 {manifest.tokenizer_sha256[:12]}>"
-                    if manifest.tokenizer in ("hf", "sp") and manifest.tokenizer_sha256 else manifest.tokenizer)
+                    if manifest.tokenizer in TOKENIZER_FILE_KINDS and manifest.tokenizer_sha256 else manifest.tokenizer)
         differ.append(f"data.tokenizer={prepared} (not {cfg.tokenizer})")
     if differ:
         raise DatasetError(f"data.dataset {path} was prepared with other settings: set {', '.join(differ)}, or "
