@@ -152,9 +152,26 @@ def test_a_client_refuses_an_address_it_would_send_the_token_to_unverified(url, 
 def test_a_hand_started_worker_with_a_plaintext_address_is_one_line_and_sends_nothing(tmp_path, args, problem):
     proc = run_cli("resilient_jax.elastic", "worker", "--host", "h9", "--config-json", str(tmp_path / "none.json"),
                    *args, timeout=60)
-    assert proc.returncode == 3 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     [line] = proc.stderr.splitlines()
     assert line.startswith("error: --controller ") and problem in line, line
+
+
+def test_a_worker_the_controller_refuses_at_registration_exits_2_in_one_line(tmp_path):
+    # Exit 2 is bad input, as for `python -m resilient_jax.train`: a launcher or an operator's script
+    # must not read a wrong token as a crash worth retrying.
+    cfg = cfg_with(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
+    ctl = Controller(config_hash=cfg.hash, expected_hosts=2, run_dir=tmp_path, token="s3cret")
+    try:
+        proc = run_cli("resilient_jax.elastic", "worker", "--host", "h9", "--controller", ctl.url,
+                       "--config-json", str(tmp_path / "config.json"), timeout=120,
+                       env={"RESILIENT_JAX_TOKEN": "wrong"})
+    finally:
+        ctl.close()
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    [line] = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert line.startswith("error: the controller refused h9:") and "token" in line, line
 
 
 def test_cli_off_loopback_plaintext_is_one_error_line_exit_2(tmp_path):

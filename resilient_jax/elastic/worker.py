@@ -63,6 +63,7 @@ log = logging.getLogger("resilient_jax.worker")
 
 # Why a run stops early, as agreed across members (the all-gather takes the maximum).
 STOP_REASONS = (None, "interrupted", "preempted", "stop_at")
+BAD_INPUT_EXIT = 2  # as `python -m resilient_jax.train`: a mistake of the caller's, said in one line
 
 
 @dataclass
@@ -259,7 +260,11 @@ class ShareKeeper:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m resilient_jax.elastic worker")
+    parser = argparse.ArgumentParser(
+        prog="python -m resilient_jax.elastic worker",
+        description="One host of an elastic run (a launcher starts it). Exit codes: 0 the run finished or this host "
+        "left it as asked, 1 a failure, 2 bad input (one line on stderr: a --controller, --tls-ca or config this "
+        "host cannot use, or the controller refusing it).")
     parser.add_argument("--controller", required=True)
     parser.add_argument("--host", required=True)
     parser.add_argument("--region", default="local")
@@ -281,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
                              "the https:// address the controller prints")
     except ValueError as e:
         print(f"error: --controller {e}", file=sys.stderr)
-        return 3
+        return BAD_INPUT_EXIT
     # A terminal's Ctrl-C reaches the whole process group; the driver turns it into an agreed stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.host} %(levelname)s %(message)s")
@@ -296,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         world_lib.configure_process(cfg, args.devices)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 3
+        return BAD_INPUT_EXIT
 
     # Before the first compile: later worlds of a size seen before load their step from disk.
     cache = compile_cache.enable(cfg.runtime.compile_cache, cfg.run.dir)
@@ -311,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         client = ControllerClient(args.controller, os.environ.get("RESILIENT_JAX_TOKEN", ""), ca_pem=ca_pem)
     except (OSError, ValueError) as e:  # ssl.SSLError is an OSError
         print(f"error: --tls-ca {args.tls_ca or '$' + CA_ENV}: not a readable PEM CA certificate ({e})", file=sys.stderr)
-        return 3
+        return BAD_INPUT_EXIT
     if args.register_at_step is not None:
         import resilient_jax.trainer  # noqa: F401  (seconds of imports done while waiting, not after the step)
 
@@ -319,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
             reached = _run_reached(client, args.register_at_step)
         except ControllerError as e:  # a refusal (token, TLS): the join can never happen
             print(f"error: the controller refused {args.host}: {e}", file=sys.stderr)
-            return 3
+            return BAD_INPUT_EXIT
         if not reached:
             log.info("leaving: the run ended before step %d", args.register_at_step)
             return 0
@@ -328,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
                                  config_hash=cfg.hash, spare=args.spare)
     except ControllerError as e:
         print(f"error: the controller refused {args.host}: {e}", file=sys.stderr)
-        return 3
+        return BAD_INPUT_EXIT
     clock = StallClock(cfg.runtime.stall_floor_seconds, cfg.runtime.stall_multiple)
     heartbeat = Heartbeat(client, args.host, cfg.runtime.heartbeat_seconds, clock)
     heartbeat.start()  # right after registering: the imports below can take seconds on a busy host
@@ -359,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(2 if bad_input else 1)
+        os._exit(BAD_INPUT_EXIT if bad_input else 1)
     finally:
         heartbeat.stop()
 
