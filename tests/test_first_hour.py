@@ -29,6 +29,28 @@ COMMON = (f"train.steps={STEPS}", "train.log_every=1", "checkpoint.every_steps=1
 INTERRUPTED_LINE = re.compile(r"^stopped \(interrupted\) at step (\d+); rerun the same command to continue$")
 
 
+SUMMARY_KEYS = {"final_step", "final_loss", "first_loss", "wall_seconds", "tokens_per_second", "config_hash",
+                "params_fingerprint", "dataset_version"}
+
+
+def assert_main_job_outputs(run_dir: Path, summary: dict, stdout: str, dataset_version: str) -> None:
+    """What the README's main job (tiny, 200 steps, 8 emulated devices) writes and prints."""
+    assert SUMMARY_KEYS <= summary.keys()
+    assert summary["final_step"] == 200
+    assert summary["final_loss"] <= 0.7 * summary["first_loss"], summary  # loss down >= 30%
+    assert summary["mesh"]["data"] == 8  # parallel.devices: 8 emulated CPU devices
+    assert summary["dataset_version"] == dataset_version  # the default dataset, built on first use
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["config_hash"] == summary["config_hash"] and config["config_hash"] in stdout
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in metrics if "loss" in m]
+    assert [m["step"] for m in steps] == [1] + list(range(10, 201, 10))  # step k: k steps completed
+    assert {"loss", "loss_last", "lr", "grad_norm", "step_seconds", "tokens_per_s", "time", "mfu"} <= steps[-1].keys()
+    assert steps[0]["loss"] == summary["first_loss"] and steps[-1]["loss_last"] == summary["final_loss"]
+    assert summary["mfu"] is None and steps[-1]["mfu"] is None  # a CPU: no peak known, none set
+    assert any(p.name.startswith("events.out.tfevents") for p in (run_dir / "tensorboard").iterdir())
+
+
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     return {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax-cache")),
@@ -210,7 +232,7 @@ def fresh_copy(dest: Path) -> Path:
     return dest
 
 
-def test_readme_first_command_on_a_fresh_copy_trains_then_resumes_at_once(tmp_path):
+def test_readme_first_command_on_a_fresh_copy_trains_then_resumes_at_once(tmp_path, request):
     command = with_this_interpreter(readme_first_command())
     assert "--config configs/tiny.yaml" in command  # relative: resolved against the copy
     copy = fresh_copy(tmp_path / "clone")
@@ -223,8 +245,7 @@ def test_readme_first_command_on_a_fresh_copy_trains_then_resumes_at_once(tmp_pa
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
     run_dir = copy / "runs" / "tiny"
     summary = read_summary(run_dir)
-    assert summary["final_step"] == 200
-    assert summary["final_loss"] <= 0.7 * summary["first_loss"], summary  # loss down >= 30%
+    assert_main_job_outputs(run_dir, summary, first.stdout, request.getfixturevalue("default_dataset").version)
     config = json.loads((run_dir / "config.json").read_text())["config"]
     assert config["run"]["dir"] == str(run_dir)  # the resolved absolute path is what is recorded
     steps_before = sorted(logged_steps(run_dir))
