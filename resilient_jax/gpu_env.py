@@ -61,6 +61,17 @@ def detect_platform(environ: Mapping[str, str] | None = None) -> str:
     return "cpu"
 
 
+def configure_process_environment(cfg: Config) -> str:
+    """Merges `worker_environment` for this machine's platform into os.environ and returns the
+    platform: every training process calls it before JAX starts -- an elastic worker, a
+    single-process run, a process of a fixed multi-process world -- so that no way of launching
+    a run trains on GPU without the deterministic kernels `invariant` needs (or the fault flags).
+    ConfigError where invariant mode cannot be had (a flag of yours turns determinism off)."""
+    platform = detect_platform()
+    os.environ.update(worker_environment(cfg, platform))
+    return platform
+
+
 # XLA:CPU's pass that merges independent all-reduces into one variadic all-reduce.
 CPU_DISABLED_PASSES = "cpu-all-reduce-combiner"
 

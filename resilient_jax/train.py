@@ -70,7 +70,11 @@ def run_lock(cfg: Config) -> RunLock | None:
 
 
 def setup_devices(cfg: Config) -> None:
-    """Must run before anything initialises a JAX backend."""
+    """Must run before anything initialises a JAX backend: XLA reads its flags (the GPU kernels'
+    determinism among them, resilient_jax.gpu_env) once, when the first backend starts."""
+    from resilient_jax import gpu_env
+
+    gpu_env.configure_process_environment(cfg)
     import jax
 
     from resilient_jax.distributed import initialize_from_env

@@ -4,6 +4,7 @@ every XLA flag and client variable it emits is one the pinned jaxlib really know
 from __future__ import annotations
 
 import importlib.util
+import json
 import mmap
 import os
 import subprocess
@@ -198,3 +199,33 @@ def test_invariant_refuses_fast_min_max_which_would_drop_a_nan_gradient(platform
 def test_a_users_disabled_passes_keep_ours_too():
     env = gpu_env.worker_environment(INVARIANT, "cpu", environ={"XLA_FLAGS": "--xla_disable_hlo_passes=foo"})
     assert gpu_env.parse_xla_flags(env["XLA_FLAGS"])["xla_disable_hlo_passes"] == "foo,cpu-all-reduce-combiner"
+
+
+SETUP_DEVICES = """
+import json, os, sys
+from resilient_jax import train
+from resilient_jax.config import load_config
+train.setup_devices(load_config(sys.argv[1], ["run.dir=" + sys.argv[2], "runtime.compile_cache=off"]))
+print(json.dumps({k: os.environ.get(k) for k in ("XLA_FLAGS", sys.argv[3])}))
+"""
+
+
+@pytest.mark.parametrize("config", ["gpu-8b.yaml", "gpu-1b.yaml"])
+def test_a_run_that_is_not_elastic_gets_the_gpu_environment_too(tmp_path, config):
+    # gpu-8b and gpu-1b have no topology.regions: they run as one process, or as a fixed world of one
+    # process per node, never through an elastic worker. Their processes must still train with the
+    # deterministic kernels invariant mode needs (and the fault flags and memory fraction): they did
+    # not, with no message, so their bits differed from run to run on a GPU. No GPU is needed to
+    # check the environment a process sets up before JAX starts its backend.
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", gpu_env.MEM_FRACTION_ENV,
+                                                             gpu_env.DEPRECATED_MEM_FRACTION_ENV)}
+    env["JAX_PLATFORMS"] = "cuda"
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", SETUP_DEVICES, str(repo / "configs" / config), str(tmp_path),
+                           gpu_env.MEM_FRACTION_ENV], capture_output=True, text=True, env=env, cwd=repo, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    flags = gpu_env.parse_xla_flags(seen["XLA_FLAGS"] or "")
+    assert flags.get("xla_gpu_deterministic_ops") == "true", seen
+    assert flags.get("xla_gpu_exclude_nondeterministic_ops") == "true", seen
+    assert seen[gpu_env.MEM_FRACTION_ENV] == gpu_env.GPU_MEM_FRACTION
