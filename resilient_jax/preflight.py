@@ -34,6 +34,7 @@ def check_run(cfg: Config) -> None:
         raise ConfigError(f"parallel.hosts_per_replica = {cfg.parallel.hosts_per_replica}: replica groups span "
                           "hosts, and this config trains in one process (no topology.regions); set it to 1, or "
                           "describe the hosts under topology.regions")
+    check_launch_keys(cfg)
     faults = parse_faults(cfg.faults)
     check_faults(cfg, faults)
     check_plugins(cfg)
@@ -50,6 +51,27 @@ def check_run(cfg: Config) -> None:
     check_output_dir("run.dir", cfg.run.dir)
     if cfg.checkpoint.dir:
         check_output_dir("checkpoint.dir", cfg.checkpoint.dir)
+
+
+# runtime keys that only an elastic run (topology.regions) reads: they choose where its hosts run.
+LAUNCH_KEYS = ("launcher", "ray_address", "bind")
+
+
+def check_launch_keys(cfg: Config) -> None:
+    """A config without topology.regions trains in this process (or a fixed world you start, README:
+    Multi-process): a launcher, Ray address or controller address set there would be ignored, and an
+    8B model meant for 16 Ray nodes would train on the head node alone, without a word."""
+    if cfg.topology.regions:
+        return
+    default = type(cfg.runtime)()
+    changed = [f"runtime.{k}={getattr(cfg.runtime, k)}" for k in LAUNCH_KEYS
+               if getattr(cfg.runtime, k) != getattr(default, k)]
+    if changed:
+        raise ConfigError(f"{', '.join(changed)}: only an elastic run launches hosts, and this config has no "
+                          "topology.regions, so it would train in this one process on this machine's devices; "
+                          "describe the hosts under topology.regions (as configs/gpu-46node-4region.yaml does), "
+                          "or start one process per node as a fixed world (README: Multi-process) without "
+                          f"{' or '.join('runtime.' + k for k in LAUNCH_KEYS)}")
 
 
 def check_eval_data(cfg: Config, faults: list[Fault], shards: int) -> None:

@@ -79,6 +79,10 @@ CASES = [
     (["--set", "checkpoint.dir=a-file"], "checkpoint.dir {cwd}/a-file is a file"),
     (["--set", "run.dir=/proc/self/rj-run"], "run.dir /proc/self/rj-run is not writable"),
     (["--stop-at", "0"], "--stop-at 0: must be >= 1"),
+    (["--set", "runtime.launcher=ray"], "runtime.launcher=ray: only an elastic run launches hosts, and this config "
+                                        "has no topology.regions, so it would train in this one process"),
+    (["--set", "runtime.ray_address=10.0.0.5:6379", "--set", "runtime.bind=10.0.0.5"],
+     "runtime.ray_address=10.0.0.5:6379, runtime.bind=10.0.0.5: only an elastic run launches hosts"),
     (["--set", "model.factory=no_such_pkg_h13:build"],
      "config key model.factory: cannot import module 'no_such_pkg_h13' (looked in task.import_dir"),
     (["--set", "model.factory=resilient_jax.config:BUILTIN_MODEL"],

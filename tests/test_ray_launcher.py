@@ -192,7 +192,7 @@ def test_the_slurm_script_starts_ray_with_a_per_job_token_only_the_user_can_read
     bin_dir = _shims(tmp_path, {
         "srun": 'while [[ $1 == -* ]]; do [[ $1 == -w ]] && shift; shift; done; exec "$@"',
         "scontrol": "printf 'use-n0\\nusw-n1\\neuw-n2\\n'",
-        "hostname": '[[ $1 == --ip-address ]] && echo 10.0.0.5 || echo use-n1',
+        "hostname": '[[ $1 == -I ]] && echo "10.0.0.5 172.17.0.1" || echo use-n1',
         "sleep": ":",
     })
     home = tmp_path / "home"
@@ -208,10 +208,15 @@ def test_the_slurm_script_starts_ray_with_a_per_job_token_only_the_user_can_read
         assert proc.returncode == 0, proc.stderr
         calls = _calls(log)
         starts = [c for c in calls if c["argv"][:2] == ["ray", "start"]]
-        drivers = [c for c in calls if c["argv"][0] == "python"]
+        drivers = [c for c in calls if c["argv"][:3] == ["python", "-m", "resilient_jax.train"]]
+        waits = [c for c in calls if c["argv"][0] == "python" and c["argv"][1].endswith("scripts/slurm/wait_for_ray.py")]
         assert len(starts) == 3 and sum("--head" in c["argv"] for c in starts) == 1 and len(drivers) == 1, calls
+        # The driver starts once the head and both worker nodes have registered, at the head's address.
+        assert [w["argv"][2:4] for w in waits] == [["10.0.0.5:6379", "2"]], calls
+        assert calls.index(waits[0]) < calls.index(drivers[0])
+        assert "--node-ip-address=10.0.0.5" in [c for c in starts if "--head" in c["argv"]][0]["argv"]
         token_path = str(home / ".ray" / f"resilient_jax-{job}.token")
-        for call in starts + drivers:
+        for call in starts + waits + drivers:
             assert call["auth_mode"] == "token", call
             assert call["path"] == token_path and call["mode"] == "0o600", call
             assert len(call["token"]) >= 32 and call["token"] == starts[0]["token"], call
@@ -219,6 +224,28 @@ def test_the_slurm_script_starts_ray_with_a_per_job_token_only_the_user_can_read
         assert not Path(token_path).exists()  # removed at the end of the job
         tokens.append(starts[0]["token"])
     assert tokens[0] != tokens[1]
+
+
+def test_the_slurm_script_refuses_a_head_whose_address_is_loopback(tmp_path):
+    """On many Debian/Ubuntu nodes /etc/hosts maps the hostname to 127.0.1.1: a head address found by
+    resolving the hostname would send every worker's `ray start` to itself. One line, exit 2, and no
+    Ray process is started."""
+    venv_bin = _shims(tmp_path / "venv", {"ray": "", "python": ""})
+    bin_dir = _shims(tmp_path, {
+        "srun": 'while [[ $1 == -* ]]; do [[ $1 == -w ]] && shift; shift; done; exec "$@"',
+        "scontrol": "printf 'use-n0\\nusw-n1\\n'",
+        "hostname": '[[ $1 == -I ]] && echo "127.0.1.1" || echo use-n0',
+    })
+    log = tmp_path / "calls.jsonl"
+    log.write_text("")
+    env = _clean_env(PATH=f"{bin_dir}:{os.environ['PATH']}", HOME=str(tmp_path), VENV=str(venv_bin.parent),
+                     SLURM_JOB_ID="7", SLURM_JOB_NODELIST="n[0-1]", SHIM_LOG=str(log), SHIM_STARTS="0")
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "slurm" / "train.sbatch"), "configs/x.yaml"],
+                          env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == ("error: the head node use-n0 has no cluster address (got '127.0.1.1'); set "
+                                   "HEAD_IP to its address on the network the other nodes reach")
+    assert log.read_text() == ""
 
 
 def test_the_ray_cluster_yaml_starts_every_node_with_the_mounted_token(tmp_path):
