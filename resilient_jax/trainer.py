@@ -256,8 +256,10 @@ class Trainer:
                     position: data_lib.DataPosition | None = None) -> data_lib.HostBatchLoader:
         real_rows = self.local_rows()
         held_out = holdout_quarantine(len(self.manifest.shards), self.cfg.eval.holdout_shards)
+        configured = tuple(data_lib.QuarantineEvent(q.shard, q.from_step) for q in self.cfg.data.quarantine)
         if position is not None:  # a resume: checks the dataset version and global batch too
             check_held_out(position.quarantine, held_out)
+            position = position.with_quarantine(configured)  # a data.quarantine added since the checkpoint
             return data_lib.HostBatchLoader.from_position(
                 self.manifest, position, seed=self.cfg.train.seed, global_batch=self.cfg.data.global_batch,
                 rows=real_rows, prefetch=self.cfg.data.prefetch,
@@ -269,8 +271,7 @@ class Trainer:
             global_batch=self.cfg.data.global_batch,
             rows=real_rows,
             start_step=start_step,
-            quarantine=tuple(quarantine) + tuple(data_lib.QuarantineEvent(q.shard, q.from_step)
-                                                 for q in self.cfg.data.quarantine) + held_out,
+            quarantine=tuple(quarantine) + configured + held_out,
             prefetch=self.cfg.data.prefetch,
             poison=faults_lib.nan_shard_poison(self.faults),
         )
@@ -492,9 +493,10 @@ class Trainer:
         """A single-world run: resume if there is a checkpoint, train to the end (or a stop), summarise."""
         cfg = self.cfg
         start_wall = time.perf_counter()
-        self.write_run_config()
         ckpt = self.checkpoints(interruptible=True)  # Ctrl-C: checkpoint at the step boundary, stop
         resumed = self.restore(ckpt)
+        # After the resume is accepted: a refused config change leaves the run's config.json as it was.
+        self.write_run_config()
         start = resumed.step if resumed else 0
         try:
             history = RunHistory.load(self.run_dir, enabled=self.is_writer)

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from resilient_jax.checkpoint import reader
+from resilient_jax.checkpoint import checksums, reader
 from resilient_jax.checkpoint.context import (
     History, build_context, config_field, provenance_field, regions_of, rng_field,
 )
@@ -40,7 +40,7 @@ from resilient_jax.checkpoint.preemption import PreemptionWatch
 from resilient_jax.checkpoint.reader import CheckpointError
 from resilient_jax.checkpoint.store import CheckpointStore
 from resilient_jax.checkpoint.topology import build_topology
-from resilient_jax.checkpoint.validate import ResumeDecision, check_resume
+from resilient_jax.checkpoint.validate import ResumeDecision, check_resume, check_shapes
 from resilient_jax.config import Config
 from resilient_jax.data import DataPosition
 
@@ -112,7 +112,16 @@ class CheckpointSession:
         """The step directory to resume from, or None to start fresh."""
         arg = self.resume
         if arg is None and not self.cfg.checkpoint.enabled:
-            return None  # checkpoints off: no automatic resume (an explicit --resume still loads)
+            # Checkpoints off: no automatic resume (an explicit --resume still loads) -- and no fresh
+            # start over a run that has checkpoints here either: it would retrain from step 0 and
+            # rewrite that run's history and metrics in run.dir.
+            steps = reader.list_steps(self.root) if self.root.is_dir() else []
+            if steps:
+                raise CheckpointError(self.root, "resume", f"checkpoint.enabled is false, but this directory holds "
+                                      f"the run's checkpoints (newest step {steps[-1]}), which a fresh start would "
+                                      "train over from step 0; pass --resume latest to continue without saving, "
+                                      "set checkpoint.enabled=true, or pick another run.dir")
+            return None
         if arg is None or arg == "latest":
             steps = reader.list_steps(self.root)
             if not steps:
@@ -157,6 +166,8 @@ class CheckpointSession:
             "provenance": provenance_field(),
         }
         decision = check_resume(path, saved, current, self.allow_config_change)
+        # Another model's weights: every checkpoint of the run has them, so no older one is offered.
+        check_shapes(path, manifest, checksums.manifest_entries(abstract_state.params))
         try:
             state = CheckpointStore.restore_arrays(path, abstract_state, verify=self.cfg.checkpoint.verify_on_load)
         except CheckpointError as e:

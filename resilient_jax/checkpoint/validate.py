@@ -29,7 +29,7 @@ from typing import Any
 from resilient_jax.checkpoint import topology as topology_lib
 from resilient_jax.checkpoint.context import History
 from resilient_jax.checkpoint.reader import CheckpointError
-from resilient_jax.config import Config, diff_keys
+from resilient_jax.config import BUILTIN_MODEL, Config, diff_keys
 
 # Config keys (or "section." prefixes) that never change the trajectory of a run.
 # Layout keys (how many devices and hosts, how they are meshed, how the runtime watches them)
@@ -38,7 +38,9 @@ from resilient_jax.config import Config, diff_keys
 # order of the gradient sum across regions (parallel.cross_region: an integer sum in any order).
 # How many hosts one replica spans (parallel.hosts_per_replica, and whether it may span regions)
 # is layout too: it only changes fsdp and data, so a run resumes onto another k.
-LAYOUT = ("parallel.devices", "parallel.data", "parallel.fsdp", "parallel.tensor", "parallel.cross_region",
+# Not parallel.tensor: the bits are the same for every (data, fsdp) layout at ONE tensor size (the
+# Megatron split changes the float sums inside a layer), so another tensor size is another trajectory.
+LAYOUT = ("parallel.devices", "parallel.data", "parallel.fsdp", "parallel.cross_region",
           "parallel.hosts_per_replica", "parallel.allow_cross_region_replica", "topology.", "runtime.")
 # Where the data is read from (data.dataset, data.src, data.build_if_missing) is operational too:
 # what the run trains on is pinned by the dataset version, which is checked on its own (above), so a
@@ -58,6 +60,18 @@ OPERATIONAL = ("run.", "checkpoint.", "train.log_every", "data.prefetch", *DATA_
 
 
 SECRET_KEY = "runtime.token"
+
+# Keys no checkpoint of this run can continue under, whatever --allow-config-change says: the data
+# position counts whole global batches (step x global_batch samples), and the built-in model's
+# widths and depth are the shapes of the saved weights and optimizer state.
+NOT_RESUMABLE = {
+    "data.global_batch": "the data position counts samples in global batches of the checkpoint's size",
+    "model.vocab_size": "the saved weights have the checkpoint's shapes",
+    "model.d_model": "the saved weights have the checkpoint's shapes",
+    "model.n_layers": "the saved weights have the checkpoint's shapes",
+    "model.n_heads": "the saved weights have the checkpoint's shapes",
+    "model.d_ff": "the saved weights have the checkpoint's shapes",
+}
 
 
 def is_operational(key: str) -> bool:
@@ -152,6 +166,14 @@ def _check_config(path, saved: dict[str, Any], current: dict[str, Any], allow: S
     defaults = Config().to_dict()
     added = [k for k in changed
              if _lookup(saved["config"], k) is _ABSENT and _lookup(current["config"], k) == _lookup(defaults, k)]
+    builtin = _lookup(current["config"], "model.factory") in (BUILTIN_MODEL, _ABSENT)
+    fixed = [k for k in changed if k in NOT_RESUMABLE and (builtin or not k.startswith("model."))]
+    if fixed:
+        reasons = "; ".join(f"{k} is {_lookup(saved['config'], k)!r} in the checkpoint and "
+                            f"{_lookup(current['config'], k)!r} now, and cannot change on resume ({NOT_RESUMABLE[k]})"
+                            for k in fixed)
+        raise CheckpointError(path, "config", f"{reasons}; set it back to continue this run, or start a new run "
+                                              "(another run.dir) with the new value")
     unallowed = [k for k in changed if k not in allowed and not is_operational(k) and k not in added]
     if unallowed:
         raise CheckpointError(
@@ -190,3 +212,31 @@ def _lookup(config: dict[str, Any], dotted: str) -> Any:
             return _ABSENT
         node = node[part]
     return node
+
+
+def check_shapes(path, manifest: dict[str, Any], params: dict[str, dict[str, Any]]) -> None:
+    """The checkpoint's weights (its manifest) against this run's model (`params`: the manifest
+    entries of its abstract params, resilient_jax.checkpoint.checksums.manifest_entries): another
+    model (a changed model.* key, a model of your own built otherwise) is refused in one line that
+    says so, before orbax is asked to restore arrays of other shapes."""
+    saved = manifest["arrays"]["weights"]
+    other = [name for name in sorted(saved.keys() & params.keys()) if saved[name]["shape"] != params[name]["shape"]]
+    missing, extra = sorted(params.keys() - saved.keys()), sorted(saved.keys() - params.keys())
+    if not (other or missing or extra):
+        return
+    if other:
+        name = other[0]
+        what = (f"{len(other)} of its weights have other shapes than this run's model (e.g. {name}: "
+                f"{tuple(saved[name]['shape'])} in the checkpoint, {tuple(params[name]['shape'])} now)")
+    else:
+        parts = []
+        if missing:
+            parts.append(f"the model's {missing[0]}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+                         + " not in the checkpoint")
+        if extra:
+            parts.append(f"the checkpoint's {extra[0]}" + (f" and {len(extra) - 1} more" if len(extra) > 1 else "")
+                         + " not in the model")
+        what = f"its weights are another model's ({'; '.join(parts)})"
+    raise CheckpointError(path, "weights", f"{what}: the model's config (model.*) must be the one the run was "
+                                           "trained with to resume it; set it back, or train this model in a new run "
+                                           "(another run.dir)")

@@ -14,7 +14,7 @@ dataset-version check would refuse it less helpfully.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from resilient_jax.data.errors import DatasetError
@@ -34,6 +34,24 @@ class DataPosition:
     def at(cls, order: GlobalOrder, dataset_version: str, step: int, tokenizer_sha256: str = "") -> DataPosition:
         return cls(step, step * order.global_batch, order.epoch_at(step), dataset_version, order.quarantine,
                    tokenizer_sha256)
+
+    def with_quarantine(self, configured: tuple[QuarantineEvent, ...]) -> DataPosition:
+        """This position with the quarantine events of the config (data.quarantine) it lacks: a
+        shard you quarantine when resuming is left out from its from_step on, exactly as in a run
+        that had the event from the start -- when from_step is not before this position's step.
+        An earlier from_step cannot be had (the steps before it trained on the shard): DatasetError."""
+        since: dict[int, int] = {}  # shard -> the first step this position leaves it out
+        for e in self.quarantine:
+            since[e.shard] = min(since.get(e.shard, e.from_step), e.from_step)
+        added = tuple(e for e in configured if since.get(e.shard, e.from_step + 1) > e.from_step)
+        late = [e for e in added if e.from_step < self.step]
+        if late:
+            e = late[0]
+            raise DatasetError(f"config key data.quarantine: shard {e.shard} from step {e.from_step} is before the "
+                               f"checkpoint's step {self.step}, whose steps trained on that shard; quarantine it "
+                               f"from step {self.step} or later, or start a new run (another run.dir) to leave it out "
+                               "from the start")
+        return replace(self, quarantine=self.quarantine + added) if added else self
 
     def to_dict(self) -> dict[str, Any]:
         return {
