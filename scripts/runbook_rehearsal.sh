@@ -4,16 +4,28 @@
 # resuming it on a different cluster shape; then an uninterrupted reference run to compare with.
 #   bash scripts/runbook_rehearsal.sh [WORKDIR]     (~6 min on 2 cores; default: a new private temp dir)
 set -u
+# WORKDIR is against the directory you run this from (before the cd below), and must be new or
+# empty: the rehearsal never deletes a directory it did not make.
+if [ $# -ge 1 ]; then
+  RB=$(realpath -m -- "$1")
+  if [ -e "$RB" ] && [ -n "$(ls -A -- "$RB" 2>/dev/null)" ]; then
+    echo "error: WORKDIR $RB is not empty; name a new or empty directory (the rehearsal writes its runs there)" >&2
+    exit 2
+  fi
+  mkdir -p -- "$RB" || exit 2
+else
+  # A fixed name under /tmp could be another account's directory (holding the run, and the compile
+  # cache whose entries the run executes): the default is a fresh one only this account can write.
+  RB=$(mktemp -d -t runbook-rehearsal-XXXXXX) || exit 1
+fi
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
-# A fixed name under /tmp could be another account's directory (holding the run, and the compile
-# cache whose entries the run executes): the default is a fresh one only this account can write.
-if [ $# -ge 1 ]; then RB=$1; rm -rf "$RB"; mkdir -p "$RB" || exit 1; else RB=$(mktemp -d -t runbook-rehearsal-XXXXXX) || exit 1; fi
 echo "rehearsal directory: $RB"
-wait_step() { # run_dir step
+wait_step() { # run_dir step: until the run reports that step (5 min at most), else the rehearsal fails
   for i in $(seq 1 600); do
     s=$($PY -c "import json,sys; print(json.load(open('$1/elastic/status.json'))['step'])" 2>/dev/null || echo -1)
-    [ "$s" -ge "$2" ] && return 0; sleep 0.5; done; return 1; }
+    [ "$s" -ge "$2" ] && return 0; sleep 0.5; done
+  echo "error: $1 did not reach step $2 in 5 min; see its log in $RB" >&2; exit 1; }
 echo "== bring-up + status + drain + manual join"
 $PY -m resilient_jax.train --config configs/cpu-4host.yaml --set run.dir=$RB/run --set train.steps=150 > $RB/train.log 2>&1 &
 TRAIN=$!
@@ -38,3 +50,9 @@ $PY -m resilient_jax.train --config configs/cpu-6host-3region.yaml --set run.dir
 $PY -c "import json; s=json.load(open('$RB/lost/summary.json')); print('resumed run:', s['final_step'], s['params_fingerprint'][:16], s['processes'])"
 echo "== reference: 60 steps uninterrupted"
 $PY -m resilient_jax.train --config configs/cpu-4host.yaml --set run.dir=$RB/ref --set train.steps=60 --set checkpoint.enabled=false 2>&1 | tail -1
+# The rehearsal holds when the run that lost everything ended on the uninterrupted trajectory.
+$PY -c "
+import json, sys
+lost, ref = (json.load(open('$RB/' + d + '/summary.json'))['params_fingerprint'] for d in ('lost', 'ref'))
+print('rehearsal:', 'the resumed run ends on the reference fingerprint' if lost == ref else 'FAILED: fingerprints differ')
+sys.exit(lost != ref)"

@@ -125,6 +125,8 @@ def test_bad_input_is_one_line_exit_2_nothing_written(workdir, capsys, extra, ex
     ("kill_host:1@save:60", "fault kill_host:1@save:60: the checkpoint of step 60 is not written before the run's last"),
     ("kill_host:1@save:50 --set checkpoint.enabled=false",
      "fault kill_host:1@save:50: checkpoint.enabled is false, so no checkpoint is ever written"),
+    # Not a fault, the same refusal before any host starts: it trained with 4 hosts to the end.
+    ("kill_host:1@5 --set runtime.min_hosts=9", "runtime.min_hosts 9 is more than the 4 hosts of topology.regions"),
 ])
 def test_an_elastic_fault_aimed_at_nothing_is_one_line_before_any_host_starts(workdir, capsys, fault, expected):
     fault, *extra = fault.split(" ")
@@ -222,3 +224,19 @@ def test_an_elastic_replica_split_between_hosts_is_one_line_before_any_host_star
     assert lines[0].startswith("error: parallel.fsdp x parallel.tensor = 4 devices per replica"), err
     assert "topology.devices_per_host (2)" in lines[0]
     assert not (workdir / "runs" / "e" / "elastic").exists()
+
+
+def test_the_runbook_rehearsal_refuses_a_workdir_that_holds_anything_and_deletes_nothing(tmp_path):
+    # It resolved a relative WORKDIR against the repository (after its cd) and ran rm -rf on it:
+    # `bash scripts/runbook_rehearsal.sh configs` from anywhere deleted the repository's configs.
+    import subprocess
+
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "mine.yaml").write_text("train: {steps: 1}\n")
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "runbook_rehearsal.sh"), "configs"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == (f"error: WORKDIR {tmp_path / 'configs'} is not empty; name a new or empty "
+                                   "directory (the rehearsal writes its runs there)")
+    assert (tmp_path / "configs" / "mine.yaml").read_text() == "train: {steps: 1}\n"
+    assert (REPO / "configs" / "tiny.yaml").is_file()

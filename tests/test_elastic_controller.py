@@ -338,3 +338,30 @@ def test_status_of_a_run_whose_driver_was_killed_says_so_and_how_to_resume(tmp_p
     (other / "summary.json").write_text(json.dumps({"stopped": "stop_at", "final_step": 30}))
     assert status(other) == 0
     assert capsys.readouterr().out.splitlines()[0] == "the run is over: it failed (the error is below)"
+
+
+def test_drain_that_cannot_read_the_run_files_is_one_line(tmp_path, monkeypatch, capsys):
+    # The token is 0600: drain from another account raised PermissionError with a traceback.
+    from pathlib import Path
+
+    from resilient_jax.elastic.__main__ import drain
+
+    (tmp_path / "elastic").mkdir()
+    (tmp_path / "elastic" / "controller.json").write_text("{")  # cut short
+    (tmp_path / "elastic" / "token").write_text("t")
+    assert drain(tmp_path, "h1") == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: drain h1: cannot read the run's ") and "\n" not in err, err
+    assert "account" not in err
+    real = Path.read_text
+
+    def denied(self, *a, **kw):
+        if self.name == "token":
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(Path, "read_text", denied)
+    assert drain(tmp_path, "h1") == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: drain h1: cannot read the run's {tmp_path / 'elastic' / 'token'} (Permission denied); "
+                   "run drain as the account that started the run"), err

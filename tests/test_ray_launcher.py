@@ -263,7 +263,10 @@ def test_the_ray_cluster_yaml_starts_every_node_with_the_mounted_token(tmp_path)
         log.write_text("")
         venv_bin = node_home / "resilient_jax" / ".venv"
         _shims(venv_bin, {"ray": ""})
-        bin_dir = _shims(tmp_path, {"ray": "", "hostname": "echo euw-gpu-01"})
+        # The node has Ray only in the project's venv (setup_commands): a bare `ray` (it ran
+        # `ray stop`) fails there with 127, and `ray up` stops at "Start command failed".
+        bin_dir = _shims(tmp_path, {"hostname": "echo euw-gpu-01"})
+        no_ray = [d for d in os.environ["PATH"].split(os.pathsep) if not (Path(d) / "ray").exists()]
         # `ray up` copies file_mounts (remote: local) to the node.
         mounted = []
         for remote, local in spec["file_mounts"].items():
@@ -275,11 +278,12 @@ def test_the_ray_cluster_yaml_starts_every_node_with_the_mounted_token(tmp_path)
             shutil.copyfile(src, dst)
             dst.chmod(0o644)
             mounted.append(str(dst))
-        env = _clean_env(PATH=f"{bin_dir}:{os.environ['PATH']}", HOME=str(node_home), SHIM_LOG=str(log),
+        env = _clean_env(PATH=os.pathsep.join([str(bin_dir), *no_ray]), HOME=str(node_home), SHIM_LOG=str(log),
                          RAY_HEAD_IP="10.0.0.5")
         for command in spec[f"{role}_start_ray_commands"]:
             subprocess.run(["bash", "-c", command], env=env, capture_output=True, text=True, timeout=60, check=True)
         starts = [c for c in _calls(log) if c["argv"][:2] == ["ray", "start"]]
+        assert [c["argv"][:2] for c in _calls(log)] == [["ray", "stop"], ["ray", "start"]]  # both the venv's
         assert len(starts) == 1 and ("--head" in starts[0]["argv"]) == (role == "head"), starts
         assert starts[0]["auth_mode"] == "token" and starts[0]["path"] in mounted, starts
         assert starts[0]["mode"] == "0o600" and starts[0]["token"].startswith("the-cluster-token-"), starts

@@ -174,6 +174,33 @@ def test_a_worker_the_controller_refuses_at_registration_exits_2_in_one_line(tmp
     assert line.startswith("error: the controller refused h9:") and "token" in line, line
 
 
+@pytest.mark.parametrize("config_json, problem", [
+    ("missing.json", "No such file or directory"),
+    ("configs/cpu-4host.yaml", "Expecting value"),  # the YAML instead of the run's resolved JSON
+    ("bad.json", "config key train.steps: must be >= 1, got 0"),
+])
+def test_a_hand_started_worker_with_a_config_json_it_cannot_use_is_one_line(tmp_path, config_json, problem):
+    (tmp_path / "bad.json").write_text(json.dumps({**cfg_with(tmp_path).to_dict(), "train": {"steps": 0}}))
+    path = REPO / config_json if config_json.startswith("configs/") else tmp_path / config_json
+    proc = run_cli("resilient_jax.elastic", "worker", "--host", "h9", "--controller", "http://127.0.0.1:9",
+                   "--config-json", str(path), timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    [line] = proc.stderr.splitlines()
+    assert line.startswith(f"error: --config-json {path}: ") and problem in line, line
+
+
+def test_a_worker_that_cannot_reach_the_controller_says_so_not_refused():
+    # (Through the CLI this takes the client's 30 s of registration retries: a briefly unreachable
+    # controller is waited for.) It said "the controller refused h50" about a controller that was not there.
+    from resilient_jax.elastic.channel import ControllerUnreachable
+    from resilient_jax.elastic.worker import _cannot_register
+
+    line = _cannot_register("h9", ControllerUnreachable("controller at http://127.0.0.1:9 unreachable: refused"))
+    assert line.startswith("error: h9 cannot reach the controller: controller at http://127.0.0.1:9 unreachable")
+    assert _cannot_register("h9", ControllerError("wrong or missing token")) == (
+        "error: the controller refused h9: wrong or missing token")
+
+
 def test_cli_off_loopback_plaintext_is_one_error_line_exit_2(tmp_path):
     proc = run_cli("resilient_jax.train", "--config", str(CPU4), "--set", f"run.dir={tmp_path}",
                    "--set", "runtime.bind=10.1.2.3", "--set", "runtime.token=tok", timeout=120,

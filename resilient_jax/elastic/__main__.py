@@ -85,8 +85,14 @@ def drain(run_dir: Path, host: str) -> int:
     if not info.is_file():
         print(f"error: {info} not found: is {run_dir} the run.dir of a running elastic run?", file=sys.stderr)
         return 2
-    token = token_file.read_text().strip() if token_file.is_file() else ""
-    controller = json.loads(info.read_text())
+    try:  # the token is 0600, the run's owner's: another account cannot drain the run
+        token = token_file.read_text().strip() if token_file.is_file() else ""
+        controller = json.loads(info.read_text())
+    except (OSError, ValueError) as e:
+        where, why = getattr(e, "filename", None) or info, getattr(e, "strerror", None) or e
+        advice = "; run drain as the account that started the run" if isinstance(e, PermissionError) else ""
+        print(f"error: drain {host}: cannot read the run's {where} ({why}){advice}", file=sys.stderr)
+        return 2
     try:  # an https controller is verified against the CA the run recorded (runtime.tls)
         ca_pem = Path(controller["tls_ca"]).read_text() if controller.get("tls_ca") else ""
         client = ControllerClient(controller["url"], token, ca_pem=ca_pem)

@@ -83,6 +83,10 @@ def validate(cfg: Config) -> Config:
             f"dividing {per_host}, or more devices per host, or parallel.hosts_per_replica > 1 (a replica group of "
             "hosts)")
     hosts = len(host_plan(cfg))
+    if cfg.runtime.min_hosts > hosts:  # as the Ray launcher's placement refuses it (ray_placement)
+        raise ConfigError(f"runtime.min_hosts {cfg.runtime.min_hosts} is more than the {hosts} hosts of "
+                          "topology.regions: the run would end at its first world; set it to at most "
+                          f"{hosts}, or describe more hosts")
     for fault in faults_lib.parse_faults(cfg.faults):
         # (A kill_region's region name is checked by preflight, which every run passes first.)
         if fault.kind in faults_lib.HOST_TARGETED and int(fault.target) >= hosts:

@@ -259,6 +259,15 @@ class ShareKeeper:
         return Reassignment(decision, counts)
 
 
+def _cannot_register(host: str, error: Exception) -> str:
+    """The one line for a registration that failed: no controller there, or one that said no."""
+    from resilient_jax.elastic.channel import ControllerUnreachable
+
+    if isinstance(error, ControllerUnreachable):
+        return f"error: {host} cannot reach the controller: {error}; is the run still running, at that address?"
+    return f"error: the controller refused {host}: {error}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m resilient_jax.elastic worker",
@@ -294,7 +303,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from resilient_jax.config import ConfigError, from_dict
 
-    cfg = from_dict(json.loads(Path(args.config_json).read_text()))
+    try:  # the run's resolved config, as the driver writes it (run.dir/elastic/config.json)
+        cfg = from_dict(json.loads(Path(args.config_json).read_text()))
+    except (OSError, ValueError) as e:  # unreadable, not JSON (a YAML file?), or a bad value (ConfigError)
+        print(f"error: --config-json {args.config_json}: {e}; pass the run's run.dir/elastic/config.json",
+              file=sys.stderr)
+        return BAD_INPUT_EXIT
     from resilient_jax.elastic import world as world_lib
 
     try:
@@ -323,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             reached = _run_reached(client, args.register_at_step)
         except ControllerError as e:  # a refusal (token, TLS): the join can never happen
-            print(f"error: the controller refused {args.host}: {e}", file=sys.stderr)
+            print(_cannot_register(args.host, e), file=sys.stderr)
             return BAD_INPUT_EXIT
         if not reached:
             log.info("leaving: the run ended before step %d", args.register_at_step)
@@ -332,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         registered = client.call("/register", host=args.host, region=args.region, devices=args.devices,
                                  config_hash=cfg.hash, spare=args.spare)
     except ControllerError as e:
-        print(f"error: the controller refused {args.host}: {e}", file=sys.stderr)
+        print(_cannot_register(args.host, e), file=sys.stderr)
         return BAD_INPUT_EXIT
     clock = StallClock(cfg.runtime.stall_floor_seconds, cfg.runtime.stall_multiple)
     heartbeat = Heartbeat(client, args.host, cfg.runtime.heartbeat_seconds, clock)
