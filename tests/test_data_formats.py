@@ -137,6 +137,56 @@ def test_bad_inputs_are_one_line_naming_file_and_line(tmp_path: Path, cli_error)
     assert not Path(out).exists() and not list(tmp_path.glob(".out.tmp-*"))
 
 
+def test_a_source_whose_files_would_be_dropped_or_misread_is_refused_by_name(tmp_path: Path, cli_error):
+    # Each of these prepared with exit 0: the files were skipped (their text lost from the dataset
+    # without a word) or read as raw text (JSON metadata, JSON syntax as training tokens).
+    out = str(tmp_path / "out")
+    latin = tmp_path / "latin"
+    latin.mkdir()
+    (latin / "a.txt").write_text("plain text\n")
+    (latin / "b.txt").write_bytes("caf\u00e9 cr\u00e8me\n".encode("latin-1"))
+    err = cli_error("--src", str(latin), "--out", out)
+    assert err.strip() == (f"error: {latin / 'b.txt'} is not UTF-8 text (invalid UTF-8 at byte 3); convert it to "
+                           "UTF-8 (e.g. iconv -f latin1 -t utf-8) or move it out of --src")
+    binary = tmp_path / "binary"
+    binary.mkdir()
+    (binary / "a.txt").write_bytes(b"text\x00more")
+    assert "is not UTF-8 text (a NUL byte at byte 4: binary?)" in cli_error("--src", str(binary), "--out", out)
+    mixed = tmp_path / "mixed"
+    write_jsonl(mixed / "a.jsonl", ["one", "two"])
+    (mixed / "README.md").write_text("# my corpus\n")
+    err = cli_error("--src", str(mixed), "--out", out)
+    assert err.strip() == (f"error: {mixed} holds jsonl files (a.jsonl, ...) and other files (README.md); pass "
+                           "--format jsonl to read only its .jsonl files, or --format text to read every file as text")
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (linked / "a.txt").write_text("plain text\n")
+    (linked / "more").symlink_to(latin)
+    assert f"{linked / 'more'} is a symbolic link to a directory, which is not followed" in cli_error(
+        "--src", str(linked), "--out", out)
+    splits = tmp_path / "dict"
+    write_hf_dir(splits / "train", ["a b c"] * 4)
+    write_hf_dir(splits / "test", ["d e f"] * 4)
+    (splits / "dataset_dict.json").write_text(json.dumps({"splits": ["train", "test"]}))
+    err = cli_error("--src", str(splits), "--out", out)
+    assert err.strip() == (f"error: {splits} is a Hugging Face DatasetDict (splits: test, train); pass one "
+                           f"split's folder, e.g. --src {splits / 'test'}")
+    nulls = write_parquet(tmp_path / "nulls.parquet", ["a b c", None])
+    assert cli_error("--src", str(nulls), "--out", out).strip() == (
+        f"error: {nulls}:row 1: field 'text' is null; remove the row or give it text")
+    assert not Path(out).exists()
+
+
+def test_one_text_file_is_one_document_with_format_text(tmp_path: Path):
+    # The advice for a lone corpus.txt was --format text, which then said it needs a directory.
+    (tmp_path / "corpus.txt").write_text("alpha beta gamma\n" * 50)
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "corpus.txt").write_text("alpha beta gamma\n" * 50)
+    one = prepare_dataset(tmp_path / "corpus.txt", tmp_path / "one", shards=1, seq_len=16, fmt="text")
+    same = prepare_dataset(tmp_path / "dir", tmp_path / "same", shards=1, seq_len=16, fmt="text")
+    assert one.version == same.version
+
+
 def _train_hf_tokenizer(path: Path, texts: list[str], vocab_size: int) -> Path:
     tokenizers = pytest.importorskip("tokenizers")
     tok = tokenizers.Tokenizer(tokenizers.models.BPE())

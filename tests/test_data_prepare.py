@@ -29,7 +29,6 @@ def write_texts(root: Path, files: int = 5, words: int = 1500, seed: int = 0) ->
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(" ".join(rng.choice(WORDS, words)), encoding="utf-8")
     (root / ".hidden.txt").write_text("never read")
-    (root / "blob.bin").write_bytes(b"\x00\x01binary")
     return root
 
 
@@ -116,7 +115,7 @@ def test_bad_inputs_get_one_clear_error(src: Path, tmp_path: Path):
     with pytest.raises(DatasetError, match=r"missing manifest .*nowhere.*manifest.json"):
         load_manifest(tmp_path / "nowhere")
     (tmp_path / "empty").mkdir()
-    (tmp_path / "empty" / "x.bin").write_bytes(b"\x00")
+    (tmp_path / "empty" / "x.txt").write_bytes(b"")
     with pytest.raises(DatasetError, match=r"source .*empty has no text"):
         prepare_dataset(tmp_path / "empty", tmp_path / "out")
     with pytest.raises(DatasetError, match=r"unknown tokenizer 'sentencepiece'; known tokenizers: bytes"):

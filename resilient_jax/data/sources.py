@@ -7,8 +7,9 @@ absolute paths or source format -- enters the text, so the same documents give t
 version on any machine, and a jsonl file and a parquet file of the same texts give the same one.
 
 Formats (`fmt`, default "auto": from the file extension, or for a directory from its contents):
-- `text`     a directory of text files, one document per file: every non-hidden regular file that
-             is text (valid UTF-8, no NUL byte); others are skipped
+- `text`     a directory of text files (or one file), one document per file: every non-hidden regular
+             file, which must be text (valid UTF-8, no NUL byte: another is an error naming it);
+             a symbolic link to a directory is refused by name rather than followed
 - `jsonl`    a `.jsonl` file (or a directory of them): one JSON object per line, the document is its
              `text_field` string; blank lines are skipped, anything else bad is an error naming
              file and line
@@ -21,8 +22,10 @@ Formats (`fmt`, default "auto": from the file extension, or for a directory from
              and test directories, capped at DEFAULT_MAX_BYTES; its content depends on the Python
              build, so its dataset version does too
 
-Auto-detection of a directory: `state.json` + `dataset_info.json` -> hf; every data file ends in
-`.jsonl` -> jsonl; every one in `.parquet` -> parquet; otherwise text.
+Auto-detection of a directory: `state.json` + `dataset_info.json` -> hf (a DatasetDict's
+`dataset_dict.json`: refused, naming its splits); every data file ends in `.jsonl` -> jsonl; every
+one in `.parquet` -> parquet; .jsonl or .parquet files mixed with others: refused (pass --format);
+otherwise text.
 
 `max_bytes` keeps the first `max_bytes` bytes of the document stream (the last document is cut).
 """
@@ -62,7 +65,8 @@ def iter_documents(
         raise DatasetError(f"unknown --format {fmt!r}; use one of: {', '.join(FORMATS)}")
     if str(src) == DEFAULT_SOURCE:
         root = Path(sysconfig.get_paths()["stdlib"])
-        docs = _text_files(root, _walk(root, skip_dirs=_STDLIB_SKIP_DIRS, suffix=".py"))
+        # The interpreter's own sources: a file that is not UTF-8 text is skipped, not an error of yours.
+        docs = _text_files(root, _walk(root, skip_dirs=_STDLIB_SKIP_DIRS, suffix=".py", links=True), strict=False)
         max_bytes = DEFAULT_MAX_BYTES if max_bytes is None else max_bytes
     else:
         root = Path(src)
@@ -79,12 +83,24 @@ def detect_format(root: Path) -> str:
         if root.suffix in _EXTENSIONS:
             return _EXTENSIONS[root.suffix]
         raise DatasetError(f"cannot tell the format of {root} from its extension {root.suffix or '(none)'!r}; "
-                           f"pass --format ({', '.join(FORMATS[1:])}) or use .jsonl / .parquet")
+                           "pass --format text to read it as one text document, or --format jsonl / parquet")
     if (root / "state.json").is_file() and (root / "dataset_info.json").is_file():
         return "hf"
-    suffixes = {Path(p).suffix for p in _walk(root, skip_dirs=frozenset(), suffix="")}
+    if (root / "dataset_dict.json").is_file():  # DatasetDict.save_to_disk: one save_to_disk folder per split
+        splits = sorted(p.name for p in root.iterdir() if (p / "state.json").is_file())
+        raise DatasetError(f"{root} is a Hugging Face DatasetDict (splits: {', '.join(splits) or 'none found'}); "
+                           f"pass one split's folder, e.g. --src {root / (splits[0] if splits else 'train')}")
+    files = _walk(root, skip_dirs=frozenset(), suffix="")
+    suffixes = {Path(p).suffix for p in files}
     if len(suffixes) == 1 and (only := suffixes.pop()) in _EXTENSIONS:
         return _EXTENSIONS[only]
+    data_files = [p for p in files if Path(p).suffix in _EXTENSIONS]
+    if data_files:  # read as text, the JSON or Parquet bytes themselves would become the training text
+        others = [p for p in files if Path(p).suffix not in _EXTENSIONS]
+        kinds = sorted({_EXTENSIONS[Path(p).suffix] for p in data_files})
+        raise DatasetError(f"{root} holds {', '.join(kinds)} files ({data_files[0]}, ...) and other files "
+                           f"({others[0]}{', ...' if len(others) > 1 else ''}); pass --format {kinds[0]} to read "
+                           f"only its .{kinds[0]} files, or --format text to read every file as text")
     return "text"
 
 
@@ -94,10 +110,19 @@ def _files(root: Path, suffix: str) -> list[Path]:
     return [root / rel for rel in _walk(root, skip_dirs=frozenset(), suffix=suffix)]
 
 
-def _walk(root: Path, skip_dirs: frozenset[str], suffix: str) -> list[str]:
+def _walk(root: Path, skip_dirs: frozenset[str], suffix: str, *, links: bool = False) -> list[str]:
+    """Every non-hidden regular file under root ending in `suffix`, as sorted relative POSIX paths.
+    A symbolic link to a directory is not followed (it could loop, or reach out of the source):
+    with links=False it is refused by name, so its files are never dropped without a word."""
     rel_paths = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d not in skip_dirs and not d.startswith(".")]
+        linked = [d for d in dirnames if (Path(dirpath) / d).is_symlink()]
+        if linked and not links:
+            path = Path(dirpath) / linked[0]
+            raise DatasetError(f"{path} is a symbolic link to a directory, which is not followed (a link could "
+                               f"loop or leave the source); pass the directory it points to ({os.path.realpath(path)}) "
+                               "as its own dataset, or copy its files in")
         rel_dir = Path(dirpath).relative_to(root)
         for name in filenames:
             if name.startswith(".") or not name.endswith(suffix):
@@ -109,16 +134,24 @@ def _walk(root: Path, skip_dirs: frozenset[str], suffix: str) -> list[str]:
 
 
 def _read_text_dir(root: Path, text_field: str) -> Iterator[Document]:
-    if not root.is_dir():
-        raise DatasetError(f"--format text needs a directory of text files, {root} is a file")
+    if root.is_file():  # one text file: one document
+        return _text_files(root.parent, [root.name])
     return _text_files(root, _walk(root, skip_dirs=frozenset(), suffix=""))
 
 
-def _text_files(root: Path, rel_paths: list[str]) -> Iterator[Document]:
+def _text_files(root: Path, rel_paths: list[str], strict: bool = True) -> Iterator[Document]:
+    """One document per file. strict: a file that is not UTF-8 text is an error naming it (a corpus
+    with a Latin-1 or binary file lost it from the dataset without a word); empty files add nothing."""
     for rel in rel_paths:
         data = (root / rel).read_bytes()
-        if data and _is_text(data):
+        if not data:
+            continue
+        problem = _not_text(data)
+        if problem is None:
             yield Document(rel, data)
+        elif strict:
+            raise DatasetError(f"{root / rel} is not UTF-8 text ({problem}); convert it to UTF-8 (e.g. iconv -f "
+                               "latin1 -t utf-8) or move it out of --src")
 
 
 def _read_jsonl(root: Path, text_field: str) -> Iterator[Document]:
@@ -135,7 +168,7 @@ def _read_jsonl(root: Path, text_field: str) -> Iterator[Document]:
                 if not isinstance(obj, dict) or text_field not in obj:
                     keys = ", ".join(map(str, obj)) if isinstance(obj, dict) else type(obj).__name__
                     raise DatasetError(f"{where}: no text field {text_field!r} (has: {keys}); "
-                                       "pass --text-field NAME")
+                                       "pass --text-field NAME (data.text_field)")
                 yield Document(where, _text_value(obj[text_field], where, text_field))
 
 
@@ -174,7 +207,7 @@ def _arrow_docs(path: Path, columns: list[str], batches, text_field: str) -> Ite
     """The `text_field` strings of Arrow record batches, one document per row."""
     if text_field not in columns:
         raise DatasetError(f"{path}: no column {text_field!r} (columns: {', '.join(columns)}); "
-                           "pass --text-field NAME")
+                           "pass --text-field NAME (data.text_field)")
     row = 0
     for batch in batches:
         for value in batch.column(text_field).to_pylist():
@@ -185,8 +218,10 @@ def _arrow_docs(path: Path, columns: list[str], batches, text_field: str) -> Ite
 
 def _text_value(value: object, where: str, text_field: str) -> bytes:
     if not isinstance(value, str):
+        if value is None:  # the field is right; this row has no text
+            raise DatasetError(f"{where}: field {text_field!r} is null; remove the row or give it text")
         raise DatasetError(f"{where}: field {text_field!r} is {type(value).__name__}, not a string; "
-                           "pass --text-field naming a text field")
+                           "pass --text-field (data.text_field) naming a text field")
     try:
         return value.encode("utf-8")
     except UnicodeEncodeError as e:  # JSON's "\ud83d" escape without its pair decodes to a lone surrogate
@@ -220,14 +255,15 @@ def _capped(docs: Iterator[Document], max_bytes: int | None, root: Path) -> Iter
                            "jsonl/parquet: non-empty text fields); point --src at some text")
 
 
-def _is_text(data: bytes) -> bool:
-    if b"\x00" in data:
-        return False
+def _not_text(data: bytes) -> str | None:
+    """Why `data` is not text (a NUL byte, invalid UTF-8: where), or None."""
+    if (nul := data.find(b"\x00")) >= 0:
+        return f"a NUL byte at byte {nul}: binary?"
     try:
         data.decode("utf-8")
-    except UnicodeDecodeError:
-        return False
-    return True
+    except UnicodeDecodeError as e:
+        return f"invalid UTF-8 at byte {e.start}"
+    return None
 
 
 _READERS = {"text": _read_text_dir, "jsonl": _read_jsonl, "parquet": _read_parquet, "hf": _read_hf_dir}
