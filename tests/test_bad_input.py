@@ -240,3 +240,22 @@ def test_the_runbook_rehearsal_refuses_a_workdir_that_holds_anything_and_deletes
                                    "directory (the rehearsal writes its runs there)")
     assert (tmp_path / "configs" / "mine.yaml").read_text() == "train: {steps: 1}\n"
     assert (REPO / "configs" / "tiny.yaml").is_file()
+
+
+def test_a_controller_address_it_cannot_listen_on_is_one_line_naming_the_keys(workdir, capsys):
+    # It printed "error: [Errno 98] Address already in use" (no key, no address) and left the run's
+    # elastic/config.json behind.
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        code = train.main(["--config", str(REPO / "configs" / "cpu-4host.yaml"), "--set", "run.dir=runs/e",
+                           "--set", f"runtime.port={port}"])
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
+    assert lines[0].startswith(f"error: runtime.bind 127.0.0.1, runtime.port {port}: the controller cannot listen "
+                               "there (Address already in use)"), lines[0]
+    assert not (workdir / "runs" / "e" / "elastic" / "config.json").exists()

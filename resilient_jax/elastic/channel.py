@@ -153,8 +153,12 @@ def serve(target: Any, bind: str, port: int, token: str,
         def log_message(self, fmt: str, *args: Any) -> None:
             log.debug("controller: " + fmt, *args)
 
-    server = (TlsHTTPServer((bind, port), Handler, tls) if tls is not None
-              else QuietHTTPServer((bind, port), Handler))
+    try:
+        server = (TlsHTTPServer((bind, port), Handler, tls) if tls is not None
+                  else QuietHTTPServer((bind, port), Handler))
+    except OSError as e:  # an address not on this machine, a port in use or privileged: the user's keys
+        raise ValueError(f"runtime.bind {bind}, runtime.port {port}: the controller cannot listen there "
+                         f"({e.strerror or e}); use an address of this machine and a free port (0: any)") from None
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="controller-http", daemon=True).start()
     return server

@@ -142,8 +142,6 @@ def _eval_tail(summary: dict) -> str:
 
 
 def _drive(cfg: Config, run_dir: Path, options: dict, history: RunHistory, launched_at: float) -> dict:
-    config_path = run_dir / "elastic" / "config.json"
-    config_path.write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True))
     token = cfg.runtime.token or os.environ.get("RESILIENT_JAX_TOKEN") or secrets.token_hex(16)
     plan = host_plan(cfg)
     server_tls = tls_lib.prepare(cfg.runtime, run_dir)
@@ -159,6 +157,9 @@ def _drive(cfg: Config, run_dir: Path, options: dict, history: RunHistory, launc
         cross_region_replica=cfg.parallel.allow_cross_region_replica, launched_at=launched_at,
         devices_per_host=cfg.topology.devices_per_host, regions=tuple(r.name for r in cfg.topology.regions),
     )
+    # Written once the controller listens: an address it cannot listen on writes no config.
+    config_path = run_dir / "elastic" / "config.json"
+    config_path.write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True))
     controller_file = run_dir / "elastic" / "controller.json"
     controller_file.write_text(json.dumps({"url": controller.url, "pid": os.getpid(), "host": socket.gethostname(),
                                            "tls_ca": str(server_tls.ca.resolve()) if server_tls else None}))
