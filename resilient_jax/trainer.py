@@ -62,16 +62,18 @@ class NonFiniteStepError(RuntimeError):
     """Gradients stayed non-finite after quarantining the data shards behind them."""
 
 
-def resolve_dataset(cfg: DataConfig, verified: data_lib.Manifest | None = None) -> data_lib.Manifest:
+def resolve_dataset(cfg: DataConfig, verified: data_lib.Manifest | None = None,
+                    model_vocab_size: int | None = None) -> data_lib.Manifest:
     """The configured dataset, built on first use (see data.location); verified against its manifest.
 
     `verified`: the manifest this process already verified in full (an elastic worker's earlier
     world). If the dataset still has that version, only the cheap identity checks run (manifest
     version, every shard present with its size) -- re-hashing every shard at each world formation
-    would make recovery cost grow with the corpus.
+    would make recovery cost grow with the corpus. `model_vocab_size`: the built-in model's, named
+    with the data keys when a prepared dataset's vocabulary is larger.
     """
     path = check_buildable(cfg)
-    check_prepared_as_configured(cfg, path)
+    check_prepared_as_configured(cfg, path, model_vocab_size)
     manifest = data_lib.ensure_dataset(path, src=cfg.src, shards=cfg.shards, seq_len=cfg.seq_len,
                                        tokenizer=cfg.tokenizer, fmt=cfg.format,
                                        text_field=cfg.text_field)  # loads the manifest and checks sizes
@@ -152,7 +154,8 @@ class Trainer:
         self._grid_processes = self._owners_of_grid()
         self.model_def = state_lib.make_model_def(cfg.model, cfg.task.import_dir)
         self.model_def.check_layout(dict(self.mesh.shape))  # before the dataset is hashed
-        self.manifest = resolve_dataset(cfg.data, verified_dataset)
+        self.manifest = resolve_dataset(cfg.data, verified_dataset,
+                                        cfg.model.vocab_size if self.model_def.builtin else None)
         # Held-out data (None: no evaluation); checked against the training data before any step.
         self.evalset = build_eval_set(cfg.eval, self.manifest, cfg.data.global_batch, verified_eval_dataset)
         if not self.model_def.builtin:

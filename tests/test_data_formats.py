@@ -252,6 +252,10 @@ def test_a_trained_tokenizer_json_round_trips_and_its_hash_is_in_manifest_and_po
                                            rf"data.shards=2 \(not 4\), data.tokenizer=hf:<the file it was prepared "
                                            rf"with, sha256 {sha[:12]}> \(not bytes\), or point data.dataset at"):
         check_prepared_as_configured(asked, tmp_path / "ds")
+    # ... the built-in model's vocabulary too, in the same line (it took a third run to learn it).
+    with pytest.raises(DatasetError, match=rf"\(not bytes\), model.vocab_size={manifest.vocab_size} or more \(not "
+                                           rf"256\), or point data.dataset at"):
+        check_prepared_as_configured(asked, tmp_path / "ds", model_vocab_size=256)
     retokenized = prepare_dataset(src, tmp_path / "ds2", shards=2, seq_len=32, tokenizer=f"hf:{other}")
     with pytest.raises(DatasetError, match=rf"saved with tokenizer sha256 {sha}, the dataset's tokenizer is sha256 {other_sha}"):
         HostBatchLoader.from_position(retokenized, position, seed=0, global_batch=2)

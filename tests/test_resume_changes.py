@@ -101,3 +101,17 @@ def test_weights_of_another_shape_are_named_before_orbax_is_asked():
                                               r"checkpoint's blocks\.0\.wq not in the model\)"):
         check_shapes("ckpt/3", saved, {"embed": {"shape": [256, 64]}, "head": {"shape": [64, 256]}})
     check_shapes("ckpt/3", saved, {k: {"shape": v["shape"]} for k, v in saved["arrays"]["weights"].items()})
+
+
+def test_fewer_steps_than_the_checkpoint_has_trained_is_refused(base, tmp_path):
+    # It ended "done: step 6" with final_step 6, past the train.steps it was given.
+    with pytest.raises(CheckpointError, match=r"train.steps 4 is before this checkpoint's step 6, which trained past "
+                                              r"it; resume a checkpoint at or before step 4 \(--resume STEP\)"):
+        run(copy_of(base, tmp_path), "train.steps=4", allow_config_change=["train.steps"])
+
+
+def test_inspecting_a_run_directory_points_at_its_checkpoints(base):
+    from resilient_jax.checkpoint import reader
+
+    with pytest.raises(CheckpointError, match=rf"a run directory\? its checkpoints are in {base / 'checkpoints'}"):
+        reader.resolve(base)

@@ -185,7 +185,9 @@ def resolve(path: str | Path) -> Path:
         return path
     steps = list_steps(path)
     if not steps:
-        raise CheckpointError(path, "path", "holds no committed checkpoint step directories")
+        inner = path / "checkpoints"  # a run.dir: its checkpoints are one level down (checkpoint.dir's default)
+        hint = f"; a run directory? its checkpoints are in {inner}" if inner.is_dir() and list_steps(inner) else ""
+        raise CheckpointError(path, "path", f"holds no committed checkpoint step directories{hint}")
     return path / str(steps[-1])
 
 

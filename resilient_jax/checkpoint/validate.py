@@ -122,6 +122,11 @@ def check_resume(path: str | Path, saved: dict[str, dict[str, Any]], current: di
                                             f"dataset's {_short(version)}; resume with the dataset the run started on")
 
     _check_config(path, saved["config"], current["config"], allow_config_change, decision)
+    steps = _lookup(current["config"]["config"], "train.steps")
+    if isinstance(steps, int) and steps < step:  # it "finished" at the checkpoint's step, past train.steps
+        raise CheckpointError(path, "config", f"train.steps {steps} is before this checkpoint's step {step}, which "
+                                              f"trained past it; resume a checkpoint at or before step {steps} "
+                                              "(--resume STEP), or start a new run (another run.dir)")
 
     if "train.seed" not in decision.config_changes:
         for key in ("impl", "base_key_data"):

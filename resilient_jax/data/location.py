@@ -56,10 +56,11 @@ def _build_flags(cfg: DataConfig) -> str:
     return "".join(f" {flag} {value}" for flag, value, default in flags if value != default)
 
 
-def check_prepared_as_configured(cfg: DataConfig, path: Path) -> None:
+def check_prepared_as_configured(cfg: DataConfig, path: Path, model_vocab_size: int | None = None) -> None:
     """A dataset already prepared at `path` has the config's data.shards, data.seq_len and
-    data.tokenizer, or one line names every key that differs with the dataset's value (to set it
-    to), so a dataset of your own trains at the first correction, not the third."""
+    data.tokenizer (and, given the built-in model's `model_vocab_size`, fits its vocabulary), or one
+    line names every key that differs with the dataset's value (to set it to), so a dataset of your
+    own trains at the first correction, not the third."""
     if not (path / MANIFEST_NAME).is_file():
         return
     from resilient_jax.data.tokenizer import get_tokenizer
@@ -75,6 +76,8 @@ def check_prepared_as_configured(cfg: DataConfig, path: Path) -> None:
         prepared = (f"{manifest.tokenizer}:<the file it was prepared with, sha256 {manifest.tokenizer_sha256[:12]}>"
                     if manifest.tokenizer in TOKENIZER_FILE_KINDS and manifest.tokenizer_sha256 else manifest.tokenizer)
         differ.append(f"data.tokenizer={prepared} (not {cfg.tokenizer})")
+    if model_vocab_size is not None and manifest.vocab_size > model_vocab_size:
+        differ.append(f"model.vocab_size={manifest.vocab_size} or more (not {model_vocab_size})")
     if differ:
         raise DatasetError(f"data.dataset {path} was prepared with other settings: set {', '.join(differ)}, or "
                            "point data.dataset at another directory")
