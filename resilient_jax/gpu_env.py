@@ -61,14 +61,27 @@ def detect_platform(environ: Mapping[str, str] | None = None) -> str:
     return "cpu"
 
 
-def configure_process_environment(cfg: Config) -> str:
-    """Merges `worker_environment` for this machine's platform into os.environ and returns the
-    platform: every training process calls it before JAX starts -- an elastic worker, a
-    single-process run, a process of a fixed multi-process world -- so that no way of launching
-    a run trains on GPU without the deterministic kernels `invariant` needs (or the fault flags).
+def configure_process_environment(cfg: Config, *, elastic: bool) -> str:
+    """Merges this machine's platform settings into os.environ (before JAX starts) and returns the
+    platform. Every training process calls it, so that no way of launching a run trains on GPU
+    without the deterministic kernels `invariant` needs:
+      elastic=True   an elastic worker: `worker_environment` whole (fault handling included);
+      elastic=False  a single-process run or a process of a fixed multi-process world: on a GPU only
+                     the determinism flags (invariant) and the memory fraction -- not the fault
+                     handling, which assumes the worker's liveness, barriers and recoverability (a
+                     fixed world's first collective may wait on a peer still compiling); on any
+                     other platform nothing (CPU, and TPU/ROCm, which this module does not know).
     ConfigError where invariant mode cannot be had (a flag of yours turns determinism off)."""
     platform = detect_platform()
-    os.environ.update(worker_environment(cfg, platform))
+    if elastic:
+        os.environ.update(worker_environment(cfg, platform))
+    elif platform in GPU_PLATFORMS:
+        check_invariant_supported(cfg, platform, os.environ.get("XLA_FLAGS", ""))
+        flags = {k: v for k, v in _gpu_settings(cfg)[0].items() if k in DETERMINISM_FLAGS}
+        if not _variable_is_set(os.environ, MEM_FRACTION_ENV):
+            os.environ[MEM_FRACTION_ENV] = GPU_MEM_FRACTION
+        if flags:
+            os.environ["XLA_FLAGS"] = merge_xla_flags(os.environ.get("XLA_FLAGS", ""), flags)
     return platform
 
 

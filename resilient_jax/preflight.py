@@ -53,7 +53,8 @@ def check_run(cfg: Config) -> None:
         check_output_dir("checkpoint.dir", cfg.checkpoint.dir)
 
 
-# runtime keys that only an elastic run (topology.regions) reads: they choose where its hosts run.
+# runtime keys that only an elastic run (topology.regions) reads: they choose where its hosts run
+# (runtime.bind: an address off loopback; a loopback one changes nothing of where the run trains).
 LAUNCH_KEYS = ("launcher", "ray_address", "bind")
 
 
@@ -63,9 +64,12 @@ def check_launch_keys(cfg: Config) -> None:
     8B model meant for 16 Ray nodes would train on the head node alone, without a word."""
     if cfg.topology.regions:
         return
+    from resilient_jax.elastic.channel import is_loopback
+
     default = type(cfg.runtime)()
     changed = [f"runtime.{k}={getattr(cfg.runtime, k)}" for k in LAUNCH_KEYS
-               if getattr(cfg.runtime, k) != getattr(default, k)]
+               if getattr(cfg.runtime, k) != getattr(default, k)
+               and not (k == "bind" and is_loopback(cfg.runtime.bind.strip("[]")))]
     if changed:
         raise ConfigError(f"{', '.join(changed)}: only an elastic run launches hosts, and this config has no "
                           "topology.regions, so it would train in this one process on this machine's devices; "

@@ -74,7 +74,7 @@ def setup_devices(cfg: Config) -> None:
     determinism among them, resilient_jax.gpu_env) once, when the first backend starts."""
     from resilient_jax import gpu_env
 
-    gpu_env.configure_process_environment(cfg)
+    gpu_env.configure_process_environment(cfg, elastic=False)
     import jax
 
     from resilient_jax.distributed import initialize_from_env

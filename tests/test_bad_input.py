@@ -126,7 +126,7 @@ def test_bad_input_is_one_line_exit_2_nothing_written(workdir, capsys, extra, ex
     ("kill_host:1@save:50 --set checkpoint.enabled=false",
      "fault kill_host:1@save:50: checkpoint.enabled is false, so no checkpoint is ever written"),
     # Not a fault, the same refusal before any host starts: it trained with 4 hosts to the end.
-    ("kill_host:1@5 --set runtime.min_hosts=9", "runtime.min_hosts 9 is more than the 4 hosts of topology.regions"),
+    ("kill_host:1@5 --set runtime.min_hosts=9", "runtime.min_hosts 9 is more than the 4 hosts this run launches"),
 ])
 def test_an_elastic_fault_aimed_at_nothing_is_one_line_before_any_host_starts(workdir, capsys, fault, expected):
     fault, *extra = fault.split(" ")

@@ -206,7 +206,7 @@ import json, os, sys
 from resilient_jax import train
 from resilient_jax.config import load_config
 train.setup_devices(load_config(sys.argv[1], ["run.dir=" + sys.argv[2], "runtime.compile_cache=off"]))
-print(json.dumps({k: os.environ.get(k) for k in ("XLA_FLAGS", sys.argv[3])}))
+print(json.dumps({k: os.environ.get(k) for k in ("XLA_FLAGS", *sys.argv[3:])}))
 """
 
 
@@ -220,12 +220,30 @@ def test_a_run_that_is_not_elastic_gets_the_gpu_environment_too(tmp_path, config
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", gpu_env.MEM_FRACTION_ENV,
                                                              gpu_env.DEPRECATED_MEM_FRACTION_ENV)}
     env["JAX_PLATFORMS"] = "cuda"
-    repo = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, "-c", SETUP_DEVICES, str(repo / "configs" / config), str(tmp_path),
-                           gpu_env.MEM_FRACTION_ENV], capture_output=True, text=True, env=env, cwd=repo, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    seen = _setup_devices(config, tmp_path, env)
     flags = gpu_env.parse_xla_flags(seen["XLA_FLAGS"] or "")
     assert flags.get("xla_gpu_deterministic_ops") == "true", seen
     assert flags.get("xla_gpu_exclude_nondeterministic_ops") == "true", seen
     assert seen[gpu_env.MEM_FRACTION_ENV] == gpu_env.GPU_MEM_FRACTION
+    # Not the elastic worker's fault handling: a fixed world has no liveness, barriers or recoverability
+    # to go with it (its first collective may wait on a peer still compiling past the watchdog).
+    assert "xla_gpu_execution_terminate_timeout" not in flags and seen[gpu_env.ABORT_COLLECTIVES_ENV] is None
+
+
+@pytest.mark.parametrize("platform", ["cpu", "rocm"])
+def test_a_run_that_is_not_elastic_leaves_other_platforms_as_they_are(tmp_path, platform):
+    # (ROCm, TPU: refused as "not one of cpu, gpu, cuda" for a while -- runs that used to train.)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = platform
+    seen = _setup_devices("tiny.yaml", tmp_path, env)
+    assert seen["XLA_FLAGS"] is None and seen[gpu_env.MEM_FRACTION_ENV] == os.environ.get(gpu_env.MEM_FRACTION_ENV)
+
+
+def _setup_devices(config: str, run_dir, env: dict) -> dict:
+    """train.setup_devices in a fresh process (before JAX starts): the environment it leaves."""
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", SETUP_DEVICES, str(repo / "configs" / config), str(run_dir),
+                           gpu_env.MEM_FRACTION_ENV, gpu_env.ABORT_COLLECTIVES_ENV], capture_output=True, text=True,
+                          env=env, cwd=repo, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -152,3 +152,12 @@ def test_a_planned_world_change_lets_the_save_in_flight_commit_unless_a_member_d
     Worker._commit_before_leaving(worker, ckpt)
     assert time.perf_counter() - started < 5 and ckpt.closed_at is None
     assert "a member died while the checkpoint in flight committed" in caplog.text
+
+
+def test_a_later_world_restores_from_the_invocations_resume_when_the_run_writes_no_checkpoints():
+    from resilient_jax.elastic.worker import resume_for_world
+
+    assert resume_for_world("latest", 0, checkpoints=True) == "latest"
+    assert resume_for_world("40", 2, checkpoints=True) is None  # the newest, which this run wrote
+    assert resume_for_world("latest", 2, checkpoints=False) == "latest"  # it writes none: where it began
+    assert resume_for_world(None, 2, checkpoints=False) is None

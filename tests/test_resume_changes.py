@@ -10,7 +10,6 @@ import jax
 import pytest
 
 from resilient_jax.checkpoint.reader import CheckpointError
-from resilient_jax.data import DatasetError
 from resilient_jax.trainer import Trainer
 
 from conftest import tiny_config
@@ -45,18 +44,28 @@ def test_a_quarantine_added_on_resume_leaves_the_shard_out_as_a_run_that_had_it_
     assert [q["shard"] for q in resumed["data_position"]["quarantine"]] == [1]
 
 
-def test_a_quarantine_from_before_the_checkpoint_is_refused_in_one_line(base, tmp_path):
+def run_files(run_dir) -> dict:
+    """What a refused resume must leave as it was."""
+    return {name: (run_dir / name).read_bytes() for name in ("config.json", "metrics.jsonl", "run_history.json")} | {
+        "checkpoints": sorted(p.name for p in (run_dir / "checkpoints").iterdir())}
+
+
+def test_a_quarantine_from_before_the_checkpoint_is_refused_before_anything_changes(base, tmp_path):
+    # Refused only once the data loader opened, it had already superseded checkpoint 6, rewound
+    # metrics.jsonl and recorded a resume: the next plain rerun resumed from 3.
     run_dir = copy_of(base, tmp_path)
-    with pytest.raises(DatasetError) as err:
-        run(run_dir, "data.quarantine=[{shard: 1, from_step: 2}]", resume="3", allow_config_change=["data.quarantine"])
+    before = run_files(run_dir)
+    with pytest.raises(CheckpointError) as err:
+        run(run_dir, "data.quarantine=[{shard: 1, from_step: 2}]", resume="3")  # no allowance asked first
     message = str(err.value)
-    assert "\n" not in message and message.startswith("config key data.quarantine: shard 1 from step 2 is before "
-                                                      "the checkpoint's step 3"), message
+    assert "\n" not in message and "data.quarantine: shard 1 from step 2 is before this checkpoint's step 3" in message
+    assert run_files(run_dir) == before
 
 
 @pytest.mark.parametrize("override, key", [
     ("data.global_batch=96", "data.global_batch is 48 in the checkpoint and 96 now, and cannot change on resume"),
     ("model.d_model=32", "model.d_model is 64 in the checkpoint and 32 now, and cannot change on resume"),
+    ("model.scan_layers=true", "model.scan_layers is False in the checkpoint and True now, and cannot change"),
 ])
 def test_a_change_no_checkpoint_can_continue_is_refused_up_front_even_when_allowed(base, tmp_path, override, key):
     # global_batch: the refusal told you to pass --allow-config-change, which then failed in the data
@@ -104,10 +113,12 @@ def test_weights_of_another_shape_are_named_before_orbax_is_asked():
 
 
 def test_fewer_steps_than_the_checkpoint_has_trained_is_refused(base, tmp_path):
-    # It ended "done: step 6" with final_step 6, past the train.steps it was given.
-    with pytest.raises(CheckpointError, match=r"train.steps 4 is before this checkpoint's step 6, which trained past "
-                                              r"it; resume a checkpoint at or before step 4 \(--resume STEP\)"):
-        run(copy_of(base, tmp_path), "train.steps=4", allow_config_change=["train.steps"])
+    # It ended "done: step 6" with final_step 6, past the train.steps it was given. Refused before the
+    # allowance is asked for (which would only lead to this refusal).
+    for allow in ([], ["train.steps"]):
+        with pytest.raises(CheckpointError, match=r"train.steps 4 is before this checkpoint's step 6, which trained "
+                                                  r"past it; resume a checkpoint at or before step 4 \(--resume STEP\)"):
+            run(copy_of(base, tmp_path / str(len(allow))), "train.steps=4", allow_config_change=allow)
 
 
 def test_inspecting_a_run_directory_points_at_its_checkpoints(base):

@@ -71,6 +71,7 @@ NOT_RESUMABLE = {
     "model.n_layers": "the saved weights have the checkpoint's shapes",
     "model.n_heads": "the saved weights have the checkpoint's shapes",
     "model.d_ff": "the saved weights have the checkpoint's shapes",
+    "model.scan_layers": "the saved weights are laid out per layer or stacked, as the checkpoint's were",
 }
 
 
@@ -121,12 +122,8 @@ def check_resume(path: str | Path, saved: dict[str, dict[str, Any]], current: di
         raise CheckpointError(path, "data", f"dataset version {_short(saved_version)} differs from the configured "
                                             f"dataset's {_short(version)}; resume with the dataset the run started on")
 
+    _check_reachable(path, step, saved["data"], current["config"]["config"])
     _check_config(path, saved["config"], current["config"], allow_config_change, decision)
-    steps = _lookup(current["config"]["config"], "train.steps")
-    if isinstance(steps, int) and steps < step:  # it "finished" at the checkpoint's step, past train.steps
-        raise CheckpointError(path, "config", f"train.steps {steps} is before this checkpoint's step {step}, which "
-                                              f"trained past it; resume a checkpoint at or before step {steps} "
-                                              "(--resume STEP), or start a new run (another run.dir)")
 
     if "train.seed" not in decision.config_changes:
         for key in ("impl", "base_key_data"):
@@ -159,6 +156,26 @@ def check_resume(path: str | Path, saved: dict[str, dict[str, Any]], current: di
             f"{_short(new_code.get('commit'))}; continuing and recording the change"
         )
     return decision
+
+
+def _check_reachable(path, step: int, position: dict[str, Any], config: dict[str, Any]) -> None:
+    """What no checkpoint at `step` can give, allowed or not -- checked before the allowance, so the
+    refusal never sends you to --allow-config-change only to refuse again: fewer train.steps than
+    it has trained, and a data.quarantine of a shard from a step it has trained on that shard."""
+    steps = _lookup(config, "train.steps")
+    if isinstance(steps, int) and steps < step:  # it "finished" at the checkpoint's step, past train.steps
+        raise CheckpointError(path, "config", f"train.steps {steps} is before this checkpoint's step {step}, which "
+                                              f"trained past it; resume a checkpoint at or before step {steps} "
+                                              "(--resume STEP), or start a new run (another run.dir)")
+    quarantined: dict[int, int] = {}  # shard -> the first step the checkpoint's data position leaves it out
+    for event in position.get("quarantine", []):
+        quarantined[event["shard"]] = min(quarantined.get(event["shard"], event["from_step"]), event["from_step"])
+    for q in _lookup(config, "data.quarantine") or []:
+        if q["from_step"] < step and quarantined.get(q["shard"], step) > q["from_step"]:
+            raise CheckpointError(path, "config", f"data.quarantine: shard {q['shard']} from step {q['from_step']} is "
+                                                  f"before this checkpoint's step {step}, whose steps trained on that "
+                                                  f"shard; quarantine it from step {step} or later, or start a new "
+                                                  "run (another run.dir) to leave it out from the start")
 
 
 def _check_config(path, saved: dict[str, Any], current: dict[str, Any], allow: Sequence[str],

@@ -76,7 +76,9 @@ def check_prepared_as_configured(cfg: DataConfig, path: Path, model_vocab_size: 
         prepared = (f"{manifest.tokenizer}:<the file it was prepared with, sha256 {manifest.tokenizer_sha256[:12]}>"
                     if manifest.tokenizer in TOKENIZER_FILE_KINDS and manifest.tokenizer_sha256 else manifest.tokenizer)
         differ.append(f"data.tokenizer={prepared} (not {cfg.tokenizer})")
-    if model_vocab_size is not None and manifest.vocab_size > model_vocab_size:
+    # Named with the data keys only when one of them differs (alone, the data is fine: the Trainer
+    # names model.vocab_size by itself, as for a dataset built on the first run).
+    if differ and model_vocab_size is not None and manifest.vocab_size > model_vocab_size:
         differ.append(f"model.vocab_size={manifest.vocab_size} or more (not {model_vocab_size})")
     if differ:
         raise DatasetError(f"data.dataset {path} was prepared with other settings: set {', '.join(differ)}, or "

@@ -83,11 +83,15 @@ def validate(cfg: Config) -> Config:
             f"dividing {per_host}, or more devices per host, or parallel.hosts_per_replica > 1 (a replica group of "
             "hosts)")
     hosts = len(host_plan(cfg))
-    if cfg.runtime.min_hosts > hosts:  # as the Ray launcher's placement refuses it (ray_placement)
-        raise ConfigError(f"runtime.min_hosts {cfg.runtime.min_hosts} is more than the {hosts} hosts of "
-                          "topology.regions: the run would end at its first world; set it to at most "
-                          f"{hosts}, or describe more hosts")
-    for fault in faults_lib.parse_faults(cfg.faults):
+    faults = faults_lib.parse_faults(cfg.faults)
+    # The local launcher starts exactly these hosts (and the joins injected): more than that can never
+    # be alive. (On Ray, nodes beyond the plan may join, and its placement checks the cluster.)
+    most = hosts + sum(f.kind == "join_host" for f in faults)
+    if cfg.runtime.launcher == "local" and cfg.runtime.min_hosts > most:
+        raise ConfigError(f"runtime.min_hosts {cfg.runtime.min_hosts} is more than the {most} hosts this run "
+                          "launches (topology.regions): it would stop at its first change of world, the first "
+                          f"death or straggler; set it to at most {most}, or describe more hosts")
+    for fault in faults:
         # (A kill_region's region name is checked by preflight, which every run passes first.)
         if fault.kind in faults_lib.HOST_TARGETED and int(fault.target) >= hosts:
             raise ConfigError(f"fault {fault}: host {fault.target} does not exist (hosts 0..{hosts - 1})")

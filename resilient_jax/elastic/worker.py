@@ -66,6 +66,15 @@ STOP_REASONS = (None, "interrupted", "preempted", "stop_at")
 BAD_INPUT_EXIT = 2  # as `python -m resilient_jax.train`: a mistake of the caller's, said in one line
 
 
+def resume_for_world(resume: str | None, generation: int, checkpoints: bool) -> str | None:
+    """The --resume a world that restores from disk passes its checkpoint session. An explicit
+    --resume names where the invocation starts; a later world takes the newest checkpoint, which
+    this run wrote itself -- unless it writes none (checkpoint.enabled false): then the invocation's
+    --resume is still where its state began (None there would start from step 0, or be refused
+    over the checkpoints it resumed from)."""
+    return resume if generation == 0 or not checkpoints else None
+
+
 @dataclass
 class HostState:
     """What survives a re-formation: the training state in host memory, and where training stands."""
@@ -527,9 +536,7 @@ class Worker:
         log.info("generation %d: rank %d of %d, resume at step %d", self.generation, rank, len(members),
                  world["resume_step"])
         self.faults.joined(self.generation, world["resume_step"])
-        # An explicit --resume names where the invocation starts; a later world that must restore
-        # from disk takes the newest checkpoint, which this run wrote itself.
-        resume = self.resume if self.generation == 0 else None
+        resume = resume_for_world(self.resume, self.generation, self.cfg.checkpoint.enabled)
         # The dataset is hashed in full once per worker process; later worlds check its identity.
         regions = {i: world["regions"][h] for i, h in enumerate(members)}
         if world["source"] is None:

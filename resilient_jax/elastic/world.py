@@ -29,7 +29,7 @@ def configure_process(cfg, devices: int) -> None:
     failure, deterministic GPU kernels in invariant mode), then recoverability."""
     from resilient_jax import gpu_env
 
-    platform = gpu_env.configure_process_environment(cfg)  # ConfigError: invariant mode unavailable
+    platform = gpu_env.configure_process_environment(cfg, elastic=True)  # ConfigError: invariant mode unavailable
     import jax
 
     # Without recoverability a peer's death aborts this process from C++ (LOG(FATAL)); with it,
