@@ -355,3 +355,10 @@ def test_a_format_1_dataset_still_loads_with_the_same_values(tmp_path: Path):
         assert a.tokens.dtype == b.tokens.dtype == np.int32 and a.weights.dtype == b.weights.dtype == np.float32
         np.testing.assert_array_equal(a.tokens, b.tokens)
         np.testing.assert_array_equal(a.weights, b.weights)
+
+
+def test_a_failed_prepare_leaves_no_directory_it_made(tmp_path: Path, cli_error):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{not json\n")
+    cli_error("--src", str(bad), "--out", str(tmp_path / "new" / "deeper" / "ds"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]  # no new/deeper left behind

@@ -22,6 +22,7 @@ wins and the others use its result (preparation is deterministic, so they are id
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import uuid
@@ -138,24 +139,34 @@ def _build_atomically(
         raise DatasetError(f"shards ({shards}) and seq_len ({seq_len}) must both be >= 1")
     tokenizer = get_tokenizer(tokenizer_name)  # unknown names and unparsable files fail before any work
     layout = RecordLayout(seq_len=seq_len, token_dtype=token_dtype_for(tokenizer.vocab_size), has_weights=False)
-    _make_parent(out)
+    made = _make_parent(out)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
+    published = False
     try:
         stream = tmp / _TOKEN_STREAM
         docs = iter_documents(src, fmt, text_field, max_bytes)
         num_tokens = _tokenize_to_file(docs, tokenizer, stream, np.dtype(layout.token_dtype))
         manifest = _write_dataset(tmp, stream, num_tokens, layout, shards, tokenizer, src)
         stream.unlink()
-        return _publish(tmp, out, manifest)
+        manifest = _publish(tmp, out, manifest)
+        published = True
+        return manifest
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        if not published:  # a failed build leaves no trace: not even the directories made for it
+            for directory in made:
+                with contextlib.suppress(OSError):  # not empty (another build's), or already gone
+                    directory.rmdir()
 
 
-def _make_parent(out: Path) -> None:
-    """The directories above `out`, or one line naming what is in the way (a file, no permission)."""
+def _make_parent(out: Path) -> list[Path]:
+    """The directories above `out`, or one line naming what is in the way (a file, no permission).
+    Returns the ones made here, innermost first."""
+    made = [p for p in (out.parent, *out.parent.parents) if not p.exists()]
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
+        return made
     except OSError as e:
         blocker = next((p for p in (out.parent, *out.parent.parents) if p.exists() and not p.is_dir()), None)
         why = f"{blocker} is a file, not a directory" if blocker else f"{e.filename}: {e.strerror}"
