@@ -26,18 +26,19 @@ import argparse
 import json
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+from child_run import run_quietly  # noqa: E402  (a script next to this one)
 
 
 def train(config: str, steps: int, run_dir: Path, extra: list[str]) -> dict:
     cmd = [sys.executable, "-m", "resilient_jax.train", "--config", config, "--set", f"run.dir={run_dir}",
            "--set", f"train.steps={steps}", "--set", "checkpoint.enabled=false", *extra]
-    subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    run_quietly(cmd, REPO)
     return json.loads((run_dir / "summary.json").read_text())
 
 
@@ -58,7 +59,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--slow", default="3@5:2", help="slow_host's HOST@STEP:FACTOR")
-    parser.add_argument("--config", default="configs/cpu-4host.yaml")
+    parser.add_argument("--config", default=str(REPO / "configs" / "cpu-4host.yaml"))
     args = parser.parse_args()
     from resilient_jax.config import load_config
 

@@ -16,6 +16,9 @@ import argparse
 import json
 import sys
 import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
@@ -39,7 +42,7 @@ def main() -> None:
     for attention in args.forms.split(","):
         fingerprints = {}
         for data, fsdp in layouts:
-            cfg = load_config("configs/tiny.yaml", [
+            cfg = load_config(REPO / "configs" / "tiny.yaml", [
                 *args.overrides, f"model.attention={attention}",
                 f"model.attention_chunk={args.chunk}", "model.dropout=0", "parallel.reduction=invariant",
                 f"parallel.data={data}", f"parallel.fsdp={fsdp}", f"train.steps={args.steps}",

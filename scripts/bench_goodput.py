@@ -19,12 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+from child_run import run_quietly  # noqa: E402  (a script next to this one)
 
 
 def train(config: str, steps: int, run_dir: Path, faults: list[str], sets: list[str]) -> dict:
@@ -34,7 +35,7 @@ def train(config: str, steps: int, run_dir: Path, faults: list[str], sets: list[
         cmd += ["--set", item]
     for fault in faults:
         cmd += ["--fault", fault]
-    subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    run_quietly(cmd, REPO)
     summary = json.loads((run_dir / "summary.json").read_text())
     timeline = json.loads((run_dir / "elastic" / "timeline.json").read_text())
     start = min(r["wall"] - r["step_seconds"] - r["ready_seconds"] for r in timeline)

@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+from child_run import run_quietly  # noqa: E402  (a script next to this one)
 CPU4 = REPO / "configs" / "cpu-4host.yaml"
 
 
@@ -66,7 +68,7 @@ def run_elastic(run_dir: Path, args) -> dict:
         cmd += ["--set", "runtime.precompile_next_worlds=on", "--fault", "kill_host:1@precompiled:0"]
     else:
         cmd += ["--fault", f"kill_host:1@{args.kill_step}"]
-    subprocess.run(cmd, check=True, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    run_quietly(cmd, REPO)
     summary = json.loads((run_dir / "summary.json").read_text())
     events = [e for e in summary["events"] if e["reason"] == "failure"]
     if not events:

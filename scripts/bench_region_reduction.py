@@ -111,7 +111,7 @@ def _mission_case() -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="configs/cpu-6host-3region.yaml")
+    parser.add_argument("--config", default=str(Path(__file__).resolve().parents[1] / "configs" / "cpu-6host-3region.yaml"))
     parser.add_argument("--out", default="runs/bench_region_reduction")
     parser.add_argument("--skip-mission", action="store_true", help="part 1 only")
     args = parser.parse_args(argv)

@@ -273,14 +273,35 @@ def _losses(run_dir: Path) -> list[tuple[int, float]]:
     return sorted(by_step.items())
 
 
+OUTPUT_MARKER = ".resilient_jax-output"  # names the script that made the folder: it may replace it
+
+
+def fresh_output_dir(parser: argparse.ArgumentParser, out: Path, kind: str) -> Path:
+    """`out` made absolute (against your directory: the runs are started in the repository) and
+    emptied -- only if it is new, empty, or an earlier output of this script; anything else exits 2
+    in one line, deleting nothing (a --out of runs, ~ or . must never be wiped)."""
+    out = out.expanduser().resolve()
+    if out.exists() and not out.is_dir():
+        parser.exit(2, f"error: --out {out} is a file; name a new or empty directory\n")
+    marker = out / OUTPUT_MARKER
+    if out.is_dir() and any(out.iterdir()):
+        earlier = (marker.is_file() and marker.read_text().strip() == kind) or (out / f"{kind}.json").is_file()
+        if not earlier:  # (drill.json / soak.json: an output from before the marker existed)
+            parser.exit(2, f"error: --out {out} is not empty and is not an earlier {kind} output; name a new or "
+                           "empty directory\n")
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    marker.write_text(kind + "\n")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the shortened drill CI runs (4 hosts, 45 steps)")
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "chaos-drill")
     args = parser.parse_args(argv)
+    args.out = fresh_output_dir(parser, args.out, "drill")
     config, steps, scenarios = plan(args.quick)
-    shutil.rmtree(args.out, ignore_errors=True)
-    args.out.mkdir(parents=True)
     runs = {"fault-free": args.out / "fault-free"}
     print(f"drill: {config}, {steps} steps; fault-free run ...", flush=True)
     baseline = run(config, steps, runs["fault-free"], ())

@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from chaos_drill import REPO  # noqa: E402  (a script next to this one)
+from chaos_drill import REPO, fresh_output_dir  # noqa: E402  (a script next to this one)
 
 FAULT_CLASSES = ("kill_host", "hang_host", "slow_host", "kill_region", "delay_host", "nan_shard", "sigterm_all")
 # Relative weights: destructive classes are bounded by the host budget anyway.
@@ -288,7 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     from resilient_jax.config import ConfigError, load_config
 
     try:
-        cfg = load_config(REPO / args.config if not Path(args.config).is_absolute() else args.config)
+        # A path of yours (against your directory) if it is there, else one of the repository's configs.
+        args.config = str(Path(args.config).resolve() if Path(args.config).exists() else REPO / args.config)
+        cfg = load_config(args.config)
     except ConfigError as e:
         parser.exit(2, f"error: {e}\n")
     if not cfg.topology.regions:
@@ -302,9 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.exit(2, f"error: {e}\n")
 
-    out = args.out or REPO / "runs" / f"soak-{args.seed}"
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
+    out = fresh_output_dir(parser, args.out or REPO / "runs" / f"soak-{args.seed}", "soak")
     log = lambda text: print(text, flush=True)  # noqa: E731
     log(f"soak: seed {args.seed}, {args.faults} faults over {args.steps} steps of {args.config}:")
     for line in schedule.lines():

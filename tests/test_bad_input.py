@@ -229,8 +229,6 @@ def test_an_elastic_replica_split_between_hosts_is_one_line_before_any_host_star
 def test_the_runbook_rehearsal_refuses_a_workdir_that_holds_anything_and_deletes_nothing(tmp_path):
     # It resolved a relative WORKDIR against the repository (after its cd) and ran rm -rf on it:
     # `bash scripts/runbook_rehearsal.sh configs` from anywhere deleted the repository's configs.
-    import subprocess
-
     (tmp_path / "configs").mkdir()
     (tmp_path / "configs" / "mine.yaml").write_text("train: {steps: 1}\n")
     proc = subprocess.run(["bash", str(REPO / "scripts" / "runbook_rehearsal.sh"), "configs"], cwd=tmp_path,
@@ -259,3 +257,19 @@ def test_a_controller_address_it_cannot_listen_on_is_one_line_naming_the_keys(wo
     assert lines[0].startswith(f"error: runtime.bind 127.0.0.1, runtime.port {port}: the controller cannot listen "
                                "there (Address already in use)"), lines[0]
     assert not (workdir / "runs" / "e" / "elastic" / "config.json").exists()
+
+
+@pytest.mark.parametrize("script", ["chaos_drill.py", "soak.py"])
+def test_a_drill_never_deletes_an_out_that_is_not_its_own(tmp_path, script):
+    # Both ran shutil.rmtree(--out): `--out runs` or `--out ~` would have wiped it, without a word.
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "notes.txt").write_text("precious")
+    extra = ["--seed", "1", "--faults", "1", "--steps", "20"] if script == "soak.py" else ["--quick"]
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / script), *extra, "--out", "victim"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    kind = "soak" if script == "soak.py" else "drill"
+    assert proc.stderr.strip() == (f"error: --out {victim} is not empty and is not an earlier {kind} output; name a "
+                                   "new or empty directory")
+    assert (victim / "notes.txt").read_text() == "precious"

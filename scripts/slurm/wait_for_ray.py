@@ -26,6 +26,8 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=600.0)
     args = parser.parse_args()
     host, _, port = args.address.rpartition(":")
+    if not host or not port.isdigit():
+        parser.exit(2, f"error: {args.address!r} is not HOST:PORT (the Ray head's GCS address, e.g. 10.0.0.5:6379)\n")
     deadline = time.monotonic() + args.timeout
     while True:  # the head's GCS port first: ray.init itself waits minutes on an address with no GCS
         try:
