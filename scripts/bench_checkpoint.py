@@ -37,6 +37,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cli_args import at_least  # noqa: E402  (a script next to this one)
 
 
 class CommitWatcher:
@@ -63,6 +65,14 @@ class CommitWatcher:
 
 
 def bench(config: str, overrides: list[str], saves: int, steps: int) -> dict:
+    work = Path(tempfile.mkdtemp(prefix="bench-ckpt-"))
+    try:
+        return _measure(work, config, overrides, saves, steps)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # several checkpoints of the bigger model: ~1 GB
+
+
+def _measure(work: Path, config: str, overrides: list[str], saves: int, steps: int) -> dict:
     import jax
     import numpy as np
 
@@ -75,7 +85,6 @@ def bench(config: str, overrides: list[str], saves: int, steps: int) -> dict:
     from resilient_jax.model import count_params
     from resilient_jax.trainer import RunTotals, Trainer
 
-    work = Path(tempfile.mkdtemp(prefix="bench-ckpt-"))
     cfg = load_config(config, [*overrides, f"run.dir={work / 'run'}", "run.progress=quiet"])
     trainer = Trainer(cfg)
     state = state_lib.init_state(trainer.model_def, trainer.tx, trainer.mesh, cfg.train.seed)
@@ -148,7 +157,6 @@ def bench(config: str, overrides: list[str], saves: int, steps: int) -> dict:
         return statistics.median(r[key] for r in rows)
 
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
-    shutil.rmtree(work, ignore_errors=True)  # several checkpoints of the bigger model: ~1 GB
     return {
         "config": config,
         "overrides": overrides,
@@ -168,8 +176,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", action="append", default=None,
                         help="repeatable; default configs/tiny.yaml and configs/small.yaml")
-    parser.add_argument("--saves", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=4, help="steps measured for the normal step time")
+    parser.add_argument("--saves", type=at_least(1), default=3)
+    parser.add_argument("--steps", type=at_least(1), default=4, help="steps measured for the normal step time")
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     args = parser.parse_args()
     configs = args.config or [str(REPO / "configs" / "tiny.yaml"), str(REPO / "configs" / "small.yaml")]

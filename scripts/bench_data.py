@@ -37,6 +37,9 @@ import numpy as np
 from resilient_jax.data import GlobalOrder, HostBatchLoader, ensure_dataset, global_batch_ids, load_manifest
 from resilient_jax.data.manifest import Manifest
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cli_args import at_least  # noqa: E402  (a script next to this one)
+
 
 def bench_loader(manifest: Manifest, seed: int, global_batch: int, steps: int) -> float:
     with HostBatchLoader(manifest, seed=seed, global_batch=global_batch) as loader:
@@ -87,8 +90,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dataset", type=Path, default=None)
     parser.add_argument("--global-batch", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=at_least(1), default=200)
+    parser.add_argument("--repeats", type=at_least(1), default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tiny-share", type=int, default=0, metavar="STEPS",
                         help="also measure the loader's share of step time over STEPS steps of configs/tiny.yaml")

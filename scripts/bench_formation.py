@@ -20,7 +20,7 @@ is also reported: from the last survivor's failed step ending (entering LEAVING)
 survivor compiling in the new world.
 Printed as JSON with the ratios to tiny.
 
-    python scripts/bench_formation.py [--kill-step 6] [--steps 10] [--repeat 3] [--no-small]
+    python scripts/bench_formation.py [--kill-step 6] [--steps 10] [--repeat 1] [--no-small]
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cli_args import at_least  # noqa: E402  (a script next to this one)
 CPU4 = REPO / "configs" / "cpu-4host.yaml"
 SMALL_MODEL = ["model.d_model=384", "model.n_layers=8", "model.n_heads=6", "model.d_ff=1024",
                "data.seq_len=256", "data.global_batch=24"]
@@ -99,7 +101,7 @@ def main() -> None:
     parser.add_argument("--kill-step", type=int, default=6)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--scale", type=int, default=10, help="how many times larger the big dataset is")
-    parser.add_argument("--repeat", type=int, default=1,
+    parser.add_argument("--repeat", type=at_least(1), default=1,
                         help="rounds of the three runs (interleaved, so machine noise hits all alike); "
                              "each figure is the median over rounds")
     parser.add_argument("--no-small", action="store_true", help="leave out the small model (its runs take minutes)")

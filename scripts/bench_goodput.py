@@ -26,6 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 from child_run import run_quietly  # noqa: E402  (a script next to this one)
+from cli_args import at_least  # noqa: E402
 
 
 def train(config: str, steps: int, run_dir: Path, faults: list[str], sets: list[str]) -> dict:
@@ -55,7 +56,7 @@ def train(config: str, steps: int, run_dir: Path, faults: list[str], sets: list[
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=at_least(30), default=300)
     parser.add_argument("--config", default="configs/cpu-4host.yaml")
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override for both runs (repeatable)")

@@ -26,6 +26,8 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cli_args import at_least  # noqa: E402  (a script next to this one)
 
 
 def run(config: str, overrides: list[str], run_dir: Path) -> np.ndarray:
@@ -55,9 +57,9 @@ def compare(a: np.ndarray, b: np.ndarray) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(REPO / "configs" / "tiny.yaml"))
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=at_least(1), default=300)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--window", type=int, default=20)
+    parser.add_argument("--window", type=at_least(1), default=20)
     parser.add_argument("--plot", default="", help="write the curves to this PNG")
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     args = parser.parse_args()

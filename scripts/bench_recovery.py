@@ -33,13 +33,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 from child_run import run_quietly  # noqa: E402  (a script next to this one)
+from cli_args import at_least  # noqa: E402
 CPU4 = REPO / "configs" / "cpu-4host.yaml"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kill-step", type=int, default=45)
-    parser.add_argument("--every", type=int, default=20, help="baseline checkpoint interval (steps)")
+    parser.add_argument("--every", type=at_least(1), default=20, help="baseline checkpoint interval (steps)")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--precompile", action="store_true",
                         help="compile the likely next worlds in the background; kill once that is done")

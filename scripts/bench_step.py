@@ -19,12 +19,15 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cli_args import at_least  # noqa: E402  (a script next to this one)
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"))
-    parser.add_argument("--steps", type=int, default=30, help="steps per round")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=at_least(1), default=30, help="steps per round")
+    parser.add_argument("--rounds", type=at_least(1), default=5)
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     args = parser.parse_args()
 
