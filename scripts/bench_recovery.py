@@ -46,10 +46,13 @@ def main() -> None:
                         help="compile the likely next worlds in the background; kill once that is done")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-recovery-"))
-    elastic = run_elastic(work / "elastic", args)
-    if args.precompile:
-        args.kill_step = elastic["killed_in_step"]
-    baseline = run_baseline(work / "baseline", args)
+    try:  # the runs' directories go whatever happens (a failed run left them in /tmp)
+        elastic = run_elastic(work / "elastic", args)
+        if args.precompile:
+            args.kill_step = elastic["killed_in_step"]
+        baseline = run_baseline(work / "baseline", args)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     report = {
         "kill_step": args.kill_step,
         "precompile": args.precompile,
@@ -59,7 +62,6 @@ def main() -> None:
     }
     json.dump(report, sys.stdout, indent=2)
     print()
-    shutil.rmtree(work, ignore_errors=True)
 
 
 def run_elastic(run_dir: Path, args) -> dict:
