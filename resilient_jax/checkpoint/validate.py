@@ -170,7 +170,8 @@ def _check_reachable(path, step: int, position: dict[str, Any], config: dict[str
     quarantined: dict[int, int] = {}  # shard -> the first step the checkpoint's data position leaves it out
     for event in position.get("quarantine", []):
         quarantined[event["shard"]] = min(quarantined.get(event["shard"], event["from_step"]), event["from_step"])
-    for q in _lookup(config, "data.quarantine") or []:
+    configured = _lookup(config, "data.quarantine")
+    for q in configured if isinstance(configured, list) else []:
         if q["from_step"] < step and quarantined.get(q["shard"], step) > q["from_step"]:
             raise CheckpointError(path, "config", f"data.quarantine: shard {q['shard']} from step {q['from_step']} is "
                                                   f"before this checkpoint's step {step}, whose steps trained on that "
