@@ -30,6 +30,9 @@ from resilient_jax.checkpoint import topology as topology_lib
 from resilient_jax.checkpoint.context import History
 from resilient_jax.checkpoint.reader import CheckpointError
 from resilient_jax.config import BUILTIN_MODEL, Config, diff_keys
+from resilient_jax.data.errors import DatasetError
+from resilient_jax.data.order import QuarantineEvent
+from resilient_jax.data.position import DataPosition
 
 # Config keys (or "section." prefixes) that never change the trajectory of a run.
 # Layout keys (how many devices and hosts, how they are meshed, how the runtime watches them)
@@ -167,16 +170,13 @@ def _check_reachable(path, step: int, position: dict[str, Any], config: dict[str
         raise CheckpointError(path, "config", f"train.steps {steps} is before this checkpoint's step {step}, which "
                                               f"trained past it; resume a checkpoint at or before step {steps} "
                                               "(--resume STEP), or start a new run (another run.dir)")
-    quarantined: dict[int, int] = {}  # shard -> the first step the checkpoint's data position leaves it out
-    for event in position.get("quarantine", []):
-        quarantined[event["shard"]] = min(quarantined.get(event["shard"], event["from_step"]), event["from_step"])
     configured = _lookup(config, "data.quarantine")
-    for q in configured if isinstance(configured, list) else []:
-        if q["from_step"] < step and quarantined.get(q["shard"], step) > q["from_step"]:
-            raise CheckpointError(path, "config", f"data.quarantine: shard {q['shard']} from step {q['from_step']} is "
-                                                  f"before this checkpoint's step {step}, whose steps trained on that "
-                                                  f"shard; quarantine it from step {step} or later, or start a new "
-                                                  "run (another run.dir) to leave it out from the start")
+    if isinstance(configured, list) and configured:  # the rule is the data position's own
+        try:
+            DataPosition.from_dict(position).with_quarantine(
+                tuple(QuarantineEvent(q["shard"], q["from_step"]) for q in configured))
+        except DatasetError as e:
+            raise CheckpointError(path, "config", str(e)) from None
 
 
 def _check_config(path, saved: dict[str, Any], current: dict[str, Any], allow: Sequence[str],

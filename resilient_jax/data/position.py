@@ -47,8 +47,8 @@ class DataPosition:
         late = [e for e in added if e.from_step < self.step]
         if late:
             e = late[0]
-            raise DatasetError(f"config key data.quarantine: shard {e.shard} from step {e.from_step} is before the "
-                               f"checkpoint's step {self.step}, whose steps trained on that shard; quarantine it "
+            raise DatasetError(f"config key data.quarantine: shard {e.shard} from step {e.from_step} is before "
+                               f"this checkpoint's step {self.step}, whose steps trained on that shard; quarantine it "
                                f"from step {self.step} or later, or start a new run (another run.dir) to leave it out "
                                "from the start")
         return replace(self, quarantine=self.quarantine + added) if added else self
