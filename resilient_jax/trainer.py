@@ -42,6 +42,7 @@ from resilient_jax import step as step_lib
 from resilient_jax.checkpoint.session import CheckpointSession
 from resilient_jax.config import DEFAULT_LOSS, Config, DataConfig
 from resilient_jax.data.evalset import build_eval_set, check_held_out, holdout_quarantine
+from resilient_jax.data.errors import named_as_config_keys
 from resilient_jax.data.location import check_buildable, check_prepared_as_configured
 from resilient_jax.fingerprinting import params_fingerprint
 from resilient_jax.metrics import MetricsLog, StepWindow
@@ -74,9 +75,10 @@ def resolve_dataset(cfg: DataConfig, verified: data_lib.Manifest | None = None,
     """
     path = check_buildable(cfg)
     check_prepared_as_configured(cfg, path, model_vocab_size)
-    manifest = data_lib.ensure_dataset(path, src=cfg.src, shards=cfg.shards, seq_len=cfg.seq_len,
-                                       tokenizer=cfg.tokenizer, fmt=cfg.format,
-                                       text_field=cfg.text_field)  # loads the manifest and checks sizes
+    with named_as_config_keys():  # a data error names data.format, not prepare's --format
+        manifest = data_lib.ensure_dataset(path, src=cfg.src, shards=cfg.shards, seq_len=cfg.seq_len,
+                                           tokenizer=cfg.tokenizer, fmt=cfg.format,
+                                           text_field=cfg.text_field)  # loads the manifest and checks sizes
     if verified is not None and verified.root == manifest.root and verified.version == manifest.version:
         return manifest
     return data_lib.verify_dataset(path)

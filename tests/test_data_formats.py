@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from resilient_jax.data import DatasetError, HostBatchLoader, ensure_dataset, load_manifest, prepare_dataset
-from resilient_jax.data.position import DataPosition
 from resilient_jax.data.records import RecordLayout
 
 pa = pytest.importorskip("pyarrow")
@@ -157,7 +156,7 @@ def test_a_source_whose_files_would_be_dropped_or_misread_is_refused_by_name(tmp
     (mixed / "README.md").write_text("# my corpus\n")
     err = cli_error("--src", str(mixed), "--out", out)
     assert err.strip() == (f"error: {mixed} holds jsonl files (a.jsonl, ...) and other files (README.md); pass "
-                           "--format jsonl to read only its .jsonl files, or --format text to read every file as text")
+                           "--format jsonl to read only its .jsonl files, or pass --format text to read every file as text")
     linked = tmp_path / "linked"
     linked.mkdir()
     (linked / "a.txt").write_text("plain text\n")
@@ -169,12 +168,34 @@ def test_a_source_whose_files_would_be_dropped_or_misread_is_refused_by_name(tmp
     write_hf_dir(splits / "test", ["d e f"] * 4)
     (splits / "dataset_dict.json").write_text(json.dumps({"splits": ["train", "test"]}))
     err = cli_error("--src", str(splits), "--out", out)
-    assert err.strip() == (f"error: {splits} is a Hugging Face DatasetDict (splits: test, train); pass one "
-                           f"split's folder, e.g. --src {splits / 'test'}")
+    assert err.strip() == (f"error: {splits} is a Hugging Face DatasetDict (splits: test, train); use one "
+                           f"split's folder: pass --src {splits / 'test'}")
     nulls = write_parquet(tmp_path / "nulls.parquet", ["a b c", None])
     assert cli_error("--src", str(nulls), "--out", out).strip() == (
         f"error: {nulls}:row 1: field 'text' is null; remove the row or give it text")
     assert not Path(out).exists()
+
+
+def test_a_run_that_builds_its_dataset_is_told_its_config_keys_and_prepare_its_flags(tmp_path: Path, cli_error):
+    """The same source check speaks to whoever set the source: a training run that builds its
+    dataset from its config was told to `pass --format jsonl`, a flag of a command it never ran."""
+    from resilient_jax.config import DataConfig
+    from resilient_jax.trainer import resolve_dataset
+
+    src = tmp_path / "src"
+    write_jsonl(src / "a.jsonl", ["one", "two"], field="body")
+    (src / "README.md").write_text("# my corpus\n")
+    run = DataConfig(src=str(src), dataset=str(tmp_path / "ds"), build_if_missing=True)
+    with pytest.raises(DatasetError) as refused:
+        resolve_dataset(run)
+    assert str(refused.value).endswith("; set data.format=jsonl to read only its .jsonl files, or set "
+                                       "data.format=text to read every file as text")
+    assert "pass --format jsonl" in cli_error("--src", str(src), "--out", str(tmp_path / "out"))
+    (src / "README.md").unlink()
+    with pytest.raises(DatasetError, match=r"a.jsonl:1: no text field 'text' \(has: id, body\); set data.text_field=NAME$"):
+        resolve_dataset(run)
+    assert cli_error("--src", str(src), "--out", str(tmp_path / "out")).strip().endswith("; pass --text-field NAME")
+    assert not (tmp_path / "ds").exists() and not (tmp_path / "out").exists()
 
 
 def test_one_text_file_is_one_document_with_format_text(tmp_path: Path):
@@ -313,7 +334,7 @@ def test_hf_tokenized_dataset_does_not_depend_on_the_thread_count(tmp_path: Path
     versions = set()
     for threads in ("1", "4"):
         code = ("import sys; from resilient_jax.data.prepare import prepare_dataset; "
-                f"print(prepare_dataset(sys.argv[1], sys.argv[2], shards=2, seq_len=32, tokenizer=sys.argv[3]).version)")
+                "print(prepare_dataset(sys.argv[1], sys.argv[2], shards=2, seq_len=32, tokenizer=sys.argv[3]).version)")
         out = subprocess.run([sys.executable, "-c", code, str(src), str(tmp_path / f"ds{threads}"), f"hf:{tok}"],
                              env={**os.environ, "RAYON_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "true"},
                              capture_output=True, text=True, check=True)

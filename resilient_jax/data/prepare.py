@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 from array_record.python.array_record_module import ArrayRecordWriter
 
-from resilient_jax.data.errors import DatasetError
+from resilient_jax.data.errors import DatasetError, option
 from resilient_jax.data.manifest import (
     FORMAT_VERSION,
     MANIFEST_NAME,
@@ -211,12 +211,12 @@ def _write_dataset(root: Path, stream: Path, num_tokens: int, layout: RecordLayo
     if num_records == 0:
         raise DatasetError(
             f"source {src} has {num_tokens} tokens, fewer than one record of seq_len+1={window}; "
-            "add text or lower --seq-len"
+            f"add text or lower {option('--seq-len')}"
         )
     if num_records < num_shards:
         raise DatasetError(
-            f"the source gives {num_records} records, fewer than --shards {num_shards}; "
-            "lower --shards or --seq-len, or add text"
+            f"the source gives {num_records} records, fewer than {option('--shards')} {num_shards}; "
+            f"lower {option('--shards')} or {option('--seq-len')}, or add text"
         )
     infos = []
     for shard in range(num_shards):

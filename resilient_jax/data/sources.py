@@ -39,7 +39,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from resilient_jax.data.errors import DatasetError
+from resilient_jax.data.errors import DatasetError, give, option
 
 DEFAULT_SOURCE = "default"
 DEFAULT_MAX_BYTES = 8 * 2**20
@@ -62,7 +62,7 @@ def iter_documents(
 ) -> Iterator[Document]:
     """The source's documents in their deterministic order, cut to `max_bytes` in total."""
     if fmt not in FORMATS:
-        raise DatasetError(f"unknown --format {fmt!r}; use one of: {', '.join(FORMATS)}")
+        raise DatasetError(f"unknown {option('--format')} {fmt!r}; use one of: {', '.join(FORMATS)}")
     if str(src) == DEFAULT_SOURCE:
         root = Path(sysconfig.get_paths()["stdlib"])
         # The interpreter's own sources: a file that is not UTF-8 text is skipped, not an error of yours.
@@ -71,8 +71,8 @@ def iter_documents(
     else:
         root = Path(src)
         if not root.exists():
-            raise DatasetError(f"source {root} does not exist; pass --src DIR, FILE.jsonl, FILE.parquet "
-                               "or --src default")
+            raise DatasetError(f"source {root} does not exist; {give('--src', 'DIR')}, FILE.jsonl, FILE.parquet "
+                               "or default")
         fmt = detect_format(root) if fmt == "auto" else fmt
         docs = _READERS[fmt](root, text_field)
     yield from _capped(docs, max_bytes, root)
@@ -83,13 +83,13 @@ def detect_format(root: Path) -> str:
         if root.suffix in _EXTENSIONS:
             return _EXTENSIONS[root.suffix]
         raise DatasetError(f"cannot tell the format of {root} from its extension {root.suffix or '(none)'!r}; "
-                           "pass --format text to read it as one text document, or --format jsonl / parquet")
+                           f"{give('--format', 'text')} to read it as one text document, or {give('--format', 'jsonl')} / parquet")
     if (root / "state.json").is_file() and (root / "dataset_info.json").is_file():
         return "hf"
     if (root / "dataset_dict.json").is_file():  # DatasetDict.save_to_disk: one save_to_disk folder per split
         splits = sorted(p.name for p in root.iterdir() if (p / "state.json").is_file())
         raise DatasetError(f"{root} is a Hugging Face DatasetDict (splits: {', '.join(splits) or 'none found'}); "
-                           f"pass one split's folder, e.g. --src {root / (splits[0] if splits else 'train')}")
+                           f"use one split's folder: {give('--src', str(root / (splits[0] if splits else 'train')))}")
     files = _walk(root, skip_dirs=frozenset(), suffix="")
     suffixes = {Path(p).suffix for p in files}
     if len(suffixes) == 1 and (only := suffixes.pop()) in _EXTENSIONS:
@@ -99,8 +99,8 @@ def detect_format(root: Path) -> str:
         others = [p for p in files if Path(p).suffix not in _EXTENSIONS]
         kinds = sorted({_EXTENSIONS[Path(p).suffix] for p in data_files})
         raise DatasetError(f"{root} holds {', '.join(kinds)} files ({data_files[0]}, ...) and other files "
-                           f"({others[0]}{', ...' if len(others) > 1 else ''}); pass --format {kinds[0]} to read "
-                           f"only its .{kinds[0]} files, or --format text to read every file as text")
+                           f"({others[0]}{', ...' if len(others) > 1 else ''}); {give('--format', kinds[0])} to read "
+                           f"only its .{kinds[0]} files, or {give('--format', 'text')} to read every file as text")
     return "text"
 
 
@@ -151,7 +151,7 @@ def _text_files(root: Path, rel_paths: list[str], strict: bool = True) -> Iterat
             yield Document(rel, data)
         elif strict:
             raise DatasetError(f"{root / rel} is not UTF-8 text ({problem}); convert it to UTF-8 (e.g. iconv -f "
-                               "latin1 -t utf-8) or move it out of --src")
+                               f"latin1 -t utf-8) or move it out of {option('--src')}")
 
 
 def _read_jsonl(root: Path, text_field: str) -> Iterator[Document]:
@@ -168,7 +168,7 @@ def _read_jsonl(root: Path, text_field: str) -> Iterator[Document]:
                 if not isinstance(obj, dict) or text_field not in obj:
                     keys = ", ".join(map(str, obj)) if isinstance(obj, dict) else type(obj).__name__
                     raise DatasetError(f"{where}: no text field {text_field!r} (has: {keys}); "
-                                       "pass --text-field NAME (data.text_field)")
+                                       f"{give('--text-field', 'NAME')}")
                 yield Document(where, _text_value(obj[text_field], where, text_field))
 
 
@@ -193,7 +193,7 @@ def _read_hf_dir(root: Path, text_field: str) -> Iterator[Document]:
         files = [root / f["filename"] for f in json.loads(state_path.read_text())["_data_files"]]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise DatasetError(f"{state_path}: not a Hugging Face save_to_disk state.json ({e!r}); "
-                           "point --src at a directory written by Dataset.save_to_disk") from None
+                           f"point {option('--src')} at a directory written by Dataset.save_to_disk") from None
     for path in files:  # in state.json's order: the dataset's row order
         try:
             reader = ipc.open_stream(path)
@@ -207,7 +207,7 @@ def _arrow_docs(path: Path, columns: list[str], batches, text_field: str) -> Ite
     """The `text_field` strings of Arrow record batches, one document per row."""
     if text_field not in columns:
         raise DatasetError(f"{path}: no column {text_field!r} (columns: {', '.join(columns)}); "
-                           "pass --text-field NAME (data.text_field)")
+                           f"{give('--text-field', 'NAME')}")
     row = 0
     for batch in batches:
         for value in batch.column(text_field).to_pylist():
@@ -221,7 +221,7 @@ def _text_value(value: object, where: str, text_field: str) -> bytes:
         if value is None:  # the field is right; this row has no text
             raise DatasetError(f"{where}: field {text_field!r} is null; remove the row or give it text")
         raise DatasetError(f"{where}: field {text_field!r} is {type(value).__name__}, not a string; "
-                           "pass --text-field (data.text_field) naming a text field")
+                           f"{give('--text-field', 'NAME')} naming a text field")
     try:
         return value.encode("utf-8")
     except UnicodeEncodeError as e:  # JSON's "\ud83d" escape without its pair decodes to a lone surrogate
@@ -235,7 +235,7 @@ def _pyarrow(fmt: str):
         import pyarrow.ipc
         import pyarrow.parquet
     except ImportError:
-        raise DatasetError(f"--format {fmt} needs the 'pyarrow' package, which is not installed; "
+        raise DatasetError(f"{option('--format')} {fmt} needs the 'pyarrow' package, which is not installed; "
                            "pip install 'resilient_jax[data]' (or pyarrow)") from None
     return pyarrow
 
@@ -252,7 +252,7 @@ def _capped(docs: Iterator[Document], max_bytes: int | None, root: Path) -> Iter
         yield Document(doc.where, data)
     if total == 0:
         raise DatasetError(f"source {root} has no text (text files: UTF-8, no NUL bytes, not hidden; "
-                           "jsonl/parquet: non-empty text fields); point --src at some text")
+                           f"jsonl/parquet: non-empty text fields); point {option('--src')} at some text")
 
 
 def _not_text(data: bytes) -> str | None:

@@ -23,7 +23,7 @@ from typing import Protocol
 
 import numpy as np
 
-from resilient_jax.data.errors import DatasetError
+from resilient_jax.data.errors import DatasetError, option
 
 
 class Tokenizer(Protocol):
@@ -108,7 +108,7 @@ def _import(module: str, prefix: str):
     try:
         return __import__(module)
     except ImportError:
-        raise DatasetError(f"--tokenizer {prefix}:PATH needs the {module!r} package, which is not installed; "
+        raise DatasetError(f"{option('--tokenizer')} {prefix}:PATH needs the {module!r} package, which is not installed; "
                            f"pip install 'resilient_jax[data]' (or {module})") from None
 
 
