@@ -33,6 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 from child_run import run_quietly  # noqa: E402  (a script next to this one)
+from cli_args import config_file, load_config_or_exit  # noqa: E402
 
 
 def train(config: str, steps: int, run_dir: Path, extra: list[str]) -> dict:
@@ -59,11 +60,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--slow", default="3@5:2", help="slow_host's HOST@STEP:FACTOR")
-    parser.add_argument("--config", default=str(REPO / "configs" / "cpu-4host.yaml"))
+    parser.add_argument("--config", type=config_file, default=str(REPO / "configs" / "cpu-4host.yaml"))
     args = parser.parse_args()
-    from resilient_jax.config import load_config
-
-    cfg = load_config(args.config)
+    cfg = load_config_or_exit(parser, args.config)
     tokens_per_step = cfg.data.global_batch * cfg.data.seq_len
     work = Path(tempfile.mkdtemp(prefix="bench-assignment-"))
     slow = ["--fault", f"slow_host:{args.slow}"]

@@ -38,7 +38,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cli_args import at_least  # noqa: E402  (a script next to this one)
+from cli_args import at_least, config_file, load_config_or_exit  # noqa: E402  (a script next to this one)
 
 
 class CommitWatcher:
@@ -174,24 +174,26 @@ def _measure(work: Path, config: str, overrides: list[str], saves: int, steps: i
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", action="append", default=None,
+    parser.add_argument("--config", type=config_file, action="append", default=None,
                         help="repeatable; default configs/tiny.yaml and configs/small.yaml")
     parser.add_argument("--saves", type=at_least(1), default=3)
     parser.add_argument("--steps", type=at_least(1), default=4, help="steps measured for the normal step time")
-    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args()
     configs = args.config or [str(REPO / "configs" / "tiny.yaml"), str(REPO / "configs" / "small.yaml")]
 
+    # One process, one device count: every config must agree on parallel.devices. (Each is loaded
+    # with --set here, so a typo is one line before the first save, not a traceback.)
+    devices = {load_config_or_exit(parser, c, args.overrides).parallel.devices for c in configs}
+    if len(devices) != 1:
+        parser.error(f"--config: the configs disagree on parallel.devices ({sorted(devices)}); benchmark them one "
+                     "at a time")
+    count = devices.pop()
+
     import jax
 
-    from resilient_jax.config import load_config
-
-    # One process, one device count: every config must agree on parallel.devices.
-    devices = {load_config(c, args.overrides).parallel.devices for c in configs}
-    if len(devices) != 1:
-        sys.exit(f"configs disagree on parallel.devices ({sorted(devices)}); benchmark them one at a time")
-    if devices.pop() > 0:
-        jax.config.update("jax_num_cpu_devices", load_config(configs[0], args.overrides).parallel.devices)
+    if count > 0:
+        jax.config.update("jax_num_cpu_devices", count)
     results = [bench(c, args.overrides, args.saves, args.steps) for c in configs]
     json.dump({"machine": {"platform": jax.devices()[0].platform, "devices": len(jax.devices())},
                "results": results}, sys.stdout, indent=2)

@@ -26,7 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 from child_run import run_quietly  # noqa: E402  (a script next to this one)
-from cli_args import at_least  # noqa: E402
+from cli_args import at_least, config_file, load_config_or_exit  # noqa: E402
 
 
 def train(config: str, steps: int, run_dir: Path, faults: list[str], sets: list[str]) -> dict:
@@ -57,10 +57,12 @@ def train(config: str, steps: int, run_dir: Path, faults: list[str], sets: list[
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=at_least(30), default=300)
-    parser.add_argument("--config", default="configs/cpu-4host.yaml")
+    parser.add_argument("--config", type=config_file, default=str(REPO / "configs" / "cpu-4host.yaml"))
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override for both runs (repeatable)")
     args = parser.parse_args()
+    # The runs read the config in child processes: a typo would surface only as a failed run.
+    load_config_or_exit(parser, args.config, args.sets)
     q = args.steps // 4
     faults = [f"kill_host:1@{q}", f"delay_host:3@{2 * q}-{2 * q}:5", f"hang_host:2@{3 * q}"]
     work = Path(tempfile.mkdtemp(prefix="bench-goodput-"))

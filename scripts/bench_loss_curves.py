@@ -17,6 +17,7 @@ and the final losses; --plot writes the three curves to a PNG (matplotlib).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import subprocess
 import sys
@@ -27,7 +28,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cli_args import at_least  # noqa: E402  (a script next to this one)
+from cli_args import at_least, config_file, load_config_or_exit, output_file  # noqa: E402  (a script next to this one)
 
 
 def run(config: str, overrides: list[str], run_dir: Path) -> np.ndarray:
@@ -56,13 +57,20 @@ def compare(a: np.ndarray, b: np.ndarray) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=str(REPO / "configs" / "tiny.yaml"))
+    parser.add_argument("--config", type=config_file, default=str(REPO / "configs" / "tiny.yaml"))
     parser.add_argument("--steps", type=at_least(1), default=300)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--window", type=at_least(1), default=20)
     parser.add_argument("--plot", default="", help="write the curves to this PNG")
-    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args()
+    # Checked now, not after the three runs: the config and --set (read by child processes) and
+    # where --plot writes, with what.
+    load_config_or_exit(parser, args.config, args.overrides)
+    if args.plot:
+        args.plot = str(output_file(parser, "--plot", args.plot))
+        if importlib.util.find_spec("matplotlib") is None:
+            parser.error("--plot needs matplotlib, which this Python lacks; pip install matplotlib or leave out --plot")
 
     runs = {}
     with tempfile.TemporaryDirectory(prefix="bench-loss-curves-") as work:

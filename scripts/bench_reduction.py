@@ -25,27 +25,39 @@ import time
 from pathlib import Path
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+DEVICES = 8  # emulated CPU devices: every mesh must fit them
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cli_args import at_least, layouts  # noqa: E402  (a script next to this one)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--configs", nargs="*", default=["tiny", "small"])
-    parser.add_argument("--meshes", nargs="+", default=["2x4", "8x1"], help="data x fsdp")
-    parser.add_argument("--steps", type=int, default=5, help="steps per timing round")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--configs", nargs="*", default=["tiny", "small"], help="names of configs/NAME.yaml")
+    parser.add_argument("--meshes", nargs="+", type=layouts(DEVICES), default=[[(2, 4), (8, 1)]],
+                        help="data x fsdp, e.g. 2x4 8x1 (or 2x4,8x1)")
+    parser.add_argument("--steps", type=at_least(1), default=5, help="steps per timing round")
+    parser.add_argument("--rounds", type=at_least(1), default=3)
     parser.add_argument("--skip", nargs="*", default=[], choices=["precision", "compiled", "time"])
     args = parser.parse_args()
+    # A config name without its file would otherwise fail only when its section reaches it, after
+    # the precision section and the configs before it have compiled.
+    known = sorted(p.stem for p in CONFIGS.glob("*.yaml"))
+    for name in args.configs:
+        if not (CONFIGS / f"{name}.yaml").is_file():
+            parser.error(f"--configs: no config named {name!r} (no {CONFIGS / name}.yaml); choose from "
+                         f"{', '.join(known)}")
+    meshes = [mesh for group in args.meshes for mesh in group]
 
     import jax
 
-    jax.config.update("jax_num_cpu_devices", 8)
+    jax.config.update("jax_num_cpu_devices", DEVICES)
     report = {}
     if "precision" not in args.skip:
         report["precision"] = precision("tiny")
         print(json.dumps({"precision": report["precision"]}, indent=2), file=sys.stderr)
     for name in args.configs:
-        for mesh in args.meshes:
-            data, fsdp = (int(x) for x in mesh.split("x"))
+        for data, fsdp in meshes:
+            mesh = f"{data}x{fsdp}"
             entry = {}
             if "compiled" not in args.skip:
                 entry["compiled"] = compiled(name, data, fsdp)

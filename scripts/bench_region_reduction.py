@@ -24,6 +24,10 @@ import os
 import sys
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+from cli_args import config_file, load_config_or_exit, output_dir  # noqa: E402  (a script next to this one)
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 MISSION_REGIONS = [("us-east", 12), ("us-west", 12), ("eu-west", 12), ("ap-northeast", 10)]
 
@@ -111,17 +115,18 @@ def _mission_case() -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=str(Path(__file__).resolve().parents[1] / "configs" / "cpu-6host-3region.yaml"))
-    parser.add_argument("--out", default="runs/bench_region_reduction")
+    parser.add_argument("--config", type=config_file, default=str(REPO / "configs" / "cpu-6host-3region.yaml"))
+    parser.add_argument("--out", default=str(REPO / "runs" / "bench_region_reduction"),
+                        help="directory for region_reduction.json (made if new)")
     parser.add_argument("--skip-mission", action="store_true", help="part 1 only")
     args = parser.parse_args(argv)
+    # Checked before the compiles: --out is first written at the very end.
+    out = output_dir(parser, "--out", args.out)
 
-    from resilient_jax.config import load_config
-
-    cfg = load_config(args.config)
+    cfg = load_config_or_exit(parser, args.config)
     if not cfg.topology.regions:
-        print(f"{args.config}: no topology.regions; pick a config with regions", file=sys.stderr)
-        return 2
+        parser.error(f"--config {args.config}: no topology.regions; pick a config with regions, "
+                     "e.g. configs/cpu-6host-3region.yaml")
     cases = [("all hosts", None), ("one host lost", "host"), ("one region lost", "region")]
     import jax
 
@@ -139,7 +144,6 @@ def main(argv=None) -> int:
               f"{r['flat']['operand_bytes']:>13,.0f} -> {r['region_aware']['operand_bytes']:>13,.0f} "
               f"{r['operand_bytes_ratio']:>6.2f} {r['flat']['ring_bytes']:>12,.0f} -> "
               f"{r['region_aware']['ring_bytes']:>12,.0f} {r['ring_bytes_ratio']:>6.2f}  {r['same_bits']}")
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "region_reduction.json").write_text(json.dumps(results, indent=2))
     print(f"wrote {out / 'region_reduction.json'}")

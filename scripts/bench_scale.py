@@ -58,14 +58,19 @@ import resource
 import subprocess
 import sys
 import time
+import typing
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+from cli_args import at_least, comma_list, config_file, load_config_or_exit  # noqa: E402  (a script next to this one)
+
 DEVICES = 8
 MESHES = ((1, 1), (8, 1), (2, 4), (1, 8))  # (data, fsdp); (1, 1) is the one-device baseline
 # config -> devices of its intended cluster (the world: data x fsdp x tensor, spares not counted)
 GPU_CONFIGS = {"gpu-8b": 128, "gpu-46node-4region": 368, "gpu-300b-46node": 320}
 GPUS_PER_NODE = 8
+SECTIONS = ("meshes", "depth", "gpu", "throughput")
 GIB = 2**30
 DEPTHS = (8, 16)  # layers of the gpu section's two compiles (see the module docstring)
 
@@ -401,25 +406,26 @@ def main() -> None:
     if len(sys.argv) == 3 and sys.argv[1] == "--throughput-child":
         _throughput_child(json.loads(sys.argv[2]))
         return
+    from resilient_jax.config import ParallelConfig
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=str(REPO / "configs" / "tiny.yaml"))
-    parser.add_argument("--set", dest="overrides", action="append", default=[])
-    parser.add_argument("--sections", default="meshes,depth,gpu")
-    parser.add_argument("--depth", type=int, default=32, help="layers of the depth section's model")
-    parser.add_argument("--gpu-configs", default=",".join(GPU_CONFIGS))
-    parser.add_argument("--gpu-modes", default="native,invariant")
+    parser.add_argument("--config", type=config_file, default=str(REPO / "configs" / "tiny.yaml"))
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--sections", type=comma_list(SECTIONS), default="meshes,depth,gpu")
+    parser.add_argument("--depth", type=at_least(1), default=32, help="layers of the depth section's model")
+    parser.add_argument("--gpu-configs", type=comma_list(list(GPU_CONFIGS)), default=",".join(GPU_CONFIGS))
+    modes = typing.get_args(typing.get_type_hints(ParallelConfig)["reduction"])  # parallel.reduction's values
+    parser.add_argument("--gpu-modes", type=comma_list(modes), default="native,invariant")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per compile subprocess")
-    parser.add_argument("--throughput-layers", type=int, default=4)
-    parser.add_argument("--throughput-steps", type=int, default=10)
+    parser.add_argument("--throughput-layers", type=at_least(1), default=4)
+    parser.add_argument("--throughput-steps", type=at_least(1), default=10)
     parser.add_argument("--peak-flops", type=float, default=H100_BF16_PEAK_FLOPS, help="per device, for MFU")
     parser.add_argument("--cpu-smoke", action="store_true", help="throughput: tiny widths on one CPU device")
     args = parser.parse_args()
-    sections = set(args.sections.split(","))
-    unknown = sections - {"meshes", "depth", "gpu", "throughput"}
-    if unknown:
-        print(f"error: --sections: unknown {', '.join(sorted(unknown))} (choose from meshes, depth, gpu, throughput)",
-              file=sys.stderr)
-        raise SystemExit(2)
+    # The meshes and depth sections apply --set in child processes: a bad key or value there would be
+    # one compile failure after another (or a traceback) instead of one line now.
+    load_config_or_exit(parser, args.config, args.overrides)
+    sections = set(args.sections)
     report: dict = {"config": args.config, "overrides": args.overrides, "devices": DEVICES,
                     "note": "CPU compiles (emulated devices): memory figures are a proxy for GPU"}
     if "meshes" in sections:
@@ -427,8 +433,7 @@ def main() -> None:
     if "depth" in sections:
         report["depth"] = section_depth(args.config, args.overrides, args.depth, args.timeout)
     if "gpu" in sections:
-        report["gpu"] = section_gpu([n for n in args.gpu_configs.split(",") if n], args.gpu_modes.split(","),
-                                    args.timeout)
+        report["gpu"] = section_gpu(args.gpu_configs, args.gpu_modes, args.timeout)
     if "throughput" in sections:
         report["throughput"] = section_throughput(args.throughput_layers, args.throughput_steps, args.cpu_smoke,
                                                   args.peak_flops, args.timeout)

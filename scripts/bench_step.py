@@ -20,26 +20,30 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cli_args import at_least  # noqa: E402  (a script next to this one)
+from cli_args import at_least, config_file, load_config_or_exit  # noqa: E402  (a script next to this one)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"))
+    parser.add_argument("--config", type=config_file,
+                        default=str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"))
     parser.add_argument("--steps", type=at_least(1), default=30, help="steps per round")
     parser.add_argument("--rounds", type=at_least(1), default=5)
-    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args()
+    load_config_or_exit(parser, args.config, args.overrides)  # a typo is one line, not a traceback
 
     from resilient_jax.config import load_config
     from resilient_jax.train import setup_devices
 
     results = {}
-    for reduction in ("native", "invariant"):
-        cfg = load_config(args.config, [*args.overrides, f"parallel.reduction={reduction}", "run.progress=quiet",
-                                        f"run.dir={tempfile.mkdtemp(prefix='bench-step-')}"])
-        setup_devices(cfg)
-        results[reduction] = bench(cfg, args.steps, args.rounds)
+    # The runs' directories go with the script, whether it ends or fails.
+    with tempfile.TemporaryDirectory(prefix="bench-step-") as work:
+        for reduction in ("native", "invariant"):
+            cfg = load_config(args.config, [*args.overrides, f"parallel.reduction={reduction}", "run.progress=quiet",
+                                            f"run.dir={work}/{reduction}"])
+            setup_devices(cfg)
+            results[reduction] = bench(cfg, args.steps, args.rounds)
     report = {
         "config": args.config,
         "overrides": args.overrides,
