@@ -14,7 +14,8 @@ promises:
   restarts 0        (a preemption is a stop and a resume, not a restart)
   steps lost 0
   fingerprint       equal to the fault-free run with the same shards quarantined from the same
-                    steps (a NaN shard changes the data by design)
+                    steps (a NaN shard changes the data by design), run as one process on as many
+                    devices (the invariant reduction: any host count's trajectory)
   checkpoints       every committed step passes `python -m resilient_jax.checkpoint verify`
 
 Prints the schedule, one table row per fault (what the run recorded for it) and the checks;
@@ -42,7 +43,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from chaos_drill import REPO, fresh_output_dir  # noqa: E402  (a script next to this one)
+from chaos_drill import REPO, fresh_output_dir, one_process_sets  # noqa: E402  (a script next to this one)
 
 FAULT_CLASSES = ("kill_host", "hang_host", "slow_host", "kill_region", "delay_host", "nan_shard", "sigterm_all")
 # Relative weights: destructive classes are bounded by the host budget anyway.
@@ -321,10 +322,11 @@ def main(argv: list[str] | None = None) -> int:
     # in the checkpoints and the final summary), not one invocation's quarantine events.
     quarantine = ", ".join(f"{{shard: {q['shard']}, from_step: {q['from_step']}}}"
                            for q in summary["data_position"]["quarantine"])
-    log(f"soak: the fault-free reference (data.quarantine=[{quarantine}]) ...")
+    one_process = one_process_sets(cfg)
+    log(f"soak: the fault-free reference (data.quarantine=[{quarantine}]){', in one process' if one_process else ''} ...")
     ref_dir = out / "reference"
     ref = subprocess.run(train_cmd(args.config, ref_dir, args.steps, [], ("checkpoint.enabled=false",
-                         f"data.quarantine=[{quarantine}]")), cwd=REPO, capture_output=True, text=True)
+                         f"data.quarantine=[{quarantine}]", *one_process)), cwd=REPO, capture_output=True, text=True)
     if ref.returncode != 0:
         raise SystemExit(f"soak: the reference run failed (exit {ref.returncode}):\n{ref.stderr[-2000:]}")
     reference = json.loads((ref_dir / "summary.json").read_text())["params_fingerprint"]
