@@ -340,7 +340,8 @@ class RuntimeConfig:
     heartbeat_seconds: float = 0.5
     # Liveness: a host whose heartbeats stop for this long is declared dead (and fenced); the
     # controller then aborts the world's in-flight collectives. Heartbeats run on their own thread,
-    # so a slow step or a network spike does not stop them.
+    # so a slow step or a network spike does not stop them; time the controller itself did not run
+    # (its machine stalled, its process stopped) is not counted as silence.
     dead_after_seconds: float = 6.0
     # The JAX coordination service's own heartbeat timeout (whole seconds): a member silent this long
     # is declared dead by the service itself, which on GPUs is what makes XLA abort the collectives

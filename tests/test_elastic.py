@@ -9,6 +9,7 @@ drill (tests/test_chaos_drill.py).
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -182,6 +183,34 @@ def test_a_new_host_joins_and_gets_its_state_from_a_peer_even_when_a_member_dies
     assert "state ADOPTING -> LEAVING on FAILED" in (tmp_path / "elastic" / "logs" / "h0.log").read_text()
     log = (tmp_path / "elastic" / "logs" / "h3.log").read_text()
     assert f"adopted state from h0 after step {join['resume_step']} (from a peer" in log
+
+
+def test_a_controller_stopped_longer_than_dead_after_fences_no_host(tmp_path, reference):
+    """SIGSTOP to the driver (controller and coordination service) for dead_after + 4 s mid-run:
+    on SIGCONT no host is declared dead (they were not silent; the controller was), and the run
+    ends in generation 0 on the fault-free fingerprint. Before, the controller woke up, found every
+    host 'silent for 12 s' and fenced them."""
+    proc = subprocess.Popen([sys.executable, "-m", "resilient_jax.train", "--config", CPU4, "--set",
+                             f"run.dir={tmp_path}", "--set", f"train.steps={STEPS}"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        status_file, deadline = tmp_path / "elastic" / "status.json", time.monotonic() + 300
+        while time.monotonic() < deadline and not (status_file.exists() and json.loads(status_file.read_text())["step"] >= 10):
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGSTOP)
+        time.sleep(6 + 4)  # configs/cpu-4host.yaml: runtime.dead_after_seconds 6
+        proc.send_signal(signal.SIGCONT)
+        out, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)
+            proc.kill()
+    assert proc.returncode == 0, f"{out[-2000:]}\n{err[-3000:]}\n" + _logs(tmp_path)
+    summary = read_summary(tmp_path)
+    assert summary["events"] == [] and summary["restarts"] == 0 and summary["steps_lost"] == 0
+    assert summary["params_fingerprint"] == reference
+    assert "is dead" not in out and "the controller did not run for" in (
+        tmp_path / "elastic" / "logs" / "controller.log").read_text()
 
 
 def test_status_command_shows_members_and_generation(tmp_path):

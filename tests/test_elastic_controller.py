@@ -116,6 +116,24 @@ def test_a_silent_host_is_declared_dead_and_survivors_get_the_next_world(control
     assert event["lost"] == ["h1"] and event["steps_lost"] == 0
 
 
+def test_a_controller_that_did_not_run_does_not_declare_its_hosts_dead_on_its_return(controller):
+    """The controller stalls (here: its lock held, so neither its monitor nor any request runs) for
+    longer than dead_after. On its return the hosts have a whole dead_after to be heard from: a run
+    whose machine froze for 160 s had all four hosts declared dead at once and failed."""
+    client = ControllerClient(controller.url, "s3cret")
+    for host in ("h0", "h1"):
+        client.call("/register", host=host, region="us", devices=2, config_hash="a" * 64)
+    with controller._lock:
+        time.sleep(controller.dead_after + 1.5)
+    time.sleep(0.5)  # the monitor's ticks after the stall
+    assert all(m.status != "dead" for m in controller.members.values())
+    # Silence still counts from the controller's return: nobody speaks, so both are declared dead.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(m.status != "dead" for m in controller.members.values()):
+        time.sleep(0.1)
+    assert all(m.status == "dead" for m in controller.members.values())
+
+
 def test_a_member_a_step_behind_is_not_a_holder_so_the_world_broadcasts(controller):
     client = ControllerClient(controller.url, "s3cret")
     for host in ("h0", "h1"):

@@ -1,11 +1,12 @@
-"""The controller's re-formation decision (resilient_jax.elastic.membership.plan_reform), pure:
-every outcome from plain dicts -- no controller, threads, HTTP or JAX."""
+"""The controller's re-formation decision (resilient_jax.elastic.membership.plan_reform) and its
+liveness verdict (silent_hosts), pure: every outcome from plain dicts -- no controller, threads,
+HTTP or JAX."""
 
 from __future__ import annotations
 
 import pytest
 
-from resilient_jax.elastic.membership import PlannedChange, ReformPlan, TooFewHosts, plan_reform
+from resilient_jax.elastic.membership import PlannedChange, ReformPlan, TooFewHosts, plan_reform, silent_hosts
 
 MEMBERS = ("h0", "h1", "h2", "h3")
 
@@ -70,3 +71,25 @@ def test_an_evicted_host_is_never_the_source():
 @pytest.mark.parametrize("registered, reason", [(1, "join"), (0, "collective-timeout")])
 def test_every_member_asking_without_a_death_is_a_join_or_the_backstop(registered, reason):
     assert plan(None, {h: 3 for h in MEMBERS}, registered=registered).reason == reason
+
+
+def test_a_host_silent_past_dead_after_is_named_with_its_silence_and_the_others_are_not():
+    seen = {"h0": 100.0, "h1": 93.0, "h2": 99.5}
+    last_seen, silent = silent_hosts(seen, now=100.1, previous_tick=100.05, dead_after=6.0)
+    assert last_seen == seen and [(h, round(s, 1)) for h, s in silent] == [("h1", 7.1)]
+    assert silent_hosts(seen, now=100.1, previous_tick=None, dead_after=6.0)[1] == silent  # the first tick
+
+
+def test_time_the_controller_did_not_run_is_not_its_hosts_silence():
+    # The monitor last ran at 100.05 and next at 260: the controller was stopped for ~160 s. Every
+    # host gets its last_seen moved by the gap: none is silent now, and each keeps the silence it
+    # had before the gap (h1: 4 s), so it is declared dead after 2 s more, not at once.
+    seen = {"h0": 100.0, "h1": 96.0}
+    last_seen, silent = silent_hosts(seen, now=260.0, previous_tick=100.05, dead_after=6.0)
+    assert silent == [] and last_seen == {"h0": pytest.approx(259.95), "h1": pytest.approx(255.95)}
+    assert silent_hosts(last_seen, now=261.0, previous_tick=260.0, dead_after=6.0)[1] == []
+    _, later = silent_hosts(last_seen, now=262.5, previous_tick=262.45, dead_after=6.0)
+    assert [h for h, _ in later] == ["h1"]
+    # A gap the monitor's own pace explains (under a second) credits nothing.
+    assert silent_hosts(seen, now=106.5, previous_tick=105.9, dead_after=6.0)[1] == [
+        ("h0", pytest.approx(6.5)), ("h1", pytest.approx(10.5))]

@@ -703,15 +703,23 @@ class Controller:
         self._write_status()
 
     def _watch(self) -> None:
+        previous_tick = None
         while not self._stop.is_set():
             with self._lock:
                 now = time.monotonic()
-                for member in self.members.values():
-                    if (member.status in ("registered", "spare", "active", "idle")
-                            and now - member.last_seen > self.dead_after):
-                        self._declare_dead(member, f"silent for {now - member.last_seen:.1f} s")
+                watched = {m.host: m.last_seen for m in self.members.values()
+                           if m.status in ("registered", "spare", "active", "idle")}
+                last_seen, silent = membership.silent_hosts(watched, now, previous_tick, self.dead_after)
+                if previous_tick is not None and now - previous_tick > membership.MONITOR_GAP_SECONDS:
+                    log.warning("the controller did not run for %.1f s; not counted as its hosts' silence",
+                                now - previous_tick)
+                for host, seen in last_seen.items():
+                    self.members[host].last_seen = seen
+                for host, silence in silent:
+                    self._declare_dead(self.members[host], f"silent for {silence:.1f} s")
                 self._check_stragglers()
                 self._maybe_reform()
+                previous_tick = time.monotonic()
             time.sleep(0.05)
 
     def _maybe_reform(self) -> None:

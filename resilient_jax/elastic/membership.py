@@ -12,6 +12,8 @@ host's status, the members that asked to re-form (with the step each completed),
 
 No threads, locks, clocks or HTTP: the controller calls it under its lock and applies the plan;
 tests/test_membership.py covers every outcome.
+
+`silent_hosts` is the liveness verdict the controller's monitor takes each tick, also pure.
 """
 
 from __future__ import annotations
@@ -86,3 +88,27 @@ def plan_reform(members: Sequence[str], status: Mapping[str, str], completed: Ma
         evicted_status=("reslotted" if change.kind == "reslot" else "drained") if evicted else None,
         promoted=tuple(promoted[:wanted]),
     )
+
+
+# The monitor ticks every 0.05 s; a gap this long between two ticks means the controller itself did
+# not run (its process stopped, the machine thrashing, a VM paused), not that the hosts went quiet.
+MONITOR_GAP_SECONDS = 1.0
+
+
+def silent_hosts(last_seen: Mapping[str, float], now: float, previous_tick: float | None,
+                 dead_after: float) -> tuple[dict[str, float], list[tuple[str, float]]]:
+    """The liveness verdict at `now`: (every host's last_seen, the hosts silent for longer than
+    `dead_after`, with their silence), given `last_seen` (when each watched host was last heard from)
+    and the monitor's `previous_tick`.
+
+    Time the controller did not run is nobody's silence: a heartbeat sent while it was stopped waits
+    in its socket, unread. After a gap longer than MONITOR_GAP_SECONDS every host's last_seen moves
+    forward by the gap, so each has a whole `dead_after` from the controller's return to be heard
+    (a run once declared all four of its hosts dead at once, "silent for 160 s", when its machine
+    stalled for that long and the hosts with it). A dead process is not waited for: the launcher
+    reports its exit as it happens."""
+    gap = 0.0 if previous_tick is None else now - previous_tick
+    if gap > MONITOR_GAP_SECONDS:
+        last_seen = {host: seen + gap for host, seen in last_seen.items()}
+    silent = [(host, now - seen) for host, seen in last_seen.items() if now - seen > dead_after]
+    return dict(last_seen), silent
