@@ -74,8 +74,8 @@ def resolve_dataset(cfg: DataConfig, verified: data_lib.Manifest | None = None,
     with the data keys when a prepared dataset's vocabulary is larger.
     """
     path = check_buildable(cfg)
-    check_prepared_as_configured(cfg, path, model_vocab_size)
     with named_as_config_keys():  # a data error names data.format, not prepare's --format
+        check_prepared_as_configured(cfg, path, model_vocab_size)
         manifest = data_lib.ensure_dataset(path, src=cfg.src, shards=cfg.shards, seq_len=cfg.seq_len,
                                            tokenizer=cfg.tokenizer, fmt=cfg.format,
                                            text_field=cfg.text_field)  # loads the manifest and checks sizes

@@ -113,8 +113,10 @@ def one_process_sets(cfg) -> tuple[str, ...]:
     fault-free reference: with the invariant reduction a trajectory does not depend on the host
     count (tests/test_invariance.py), so this is the run every elastic one must end on, at the cost
     of one process's start-up instead of a controller's and every worker's. () where that does not
-    hold or one process cannot stand for the world (native sums; replica groups spanning hosts)."""
-    if cfg.parallel.reduction != "invariant" or cfg.parallel.hosts_per_replica != 1:
+    hold or one process cannot stand for the world (native sums; replica groups spanning hosts; a
+    world that is not emulated CPU devices on this machine: parallel.devices sets only those)."""
+    if (cfg.parallel.reduction != "invariant" or cfg.parallel.hosts_per_replica != 1
+            or cfg.runtime.launcher != "local"):
         return ()
     devices = cfg.topology.devices_per_host * sum(region.hosts for region in cfg.topology.regions)
     return ("topology.regions=[]", f"parallel.devices={devices}")

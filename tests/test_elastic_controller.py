@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -116,22 +119,71 @@ def test_a_silent_host_is_declared_dead_and_survivors_get_the_next_world(control
     assert event["lost"] == ["h1"] and event["steps_lost"] == 0
 
 
-def test_a_controller_that_did_not_run_does_not_declare_its_hosts_dead_on_its_return(controller):
-    """The controller stalls (here: its lock held, so neither its monitor nor any request runs) for
-    longer than dead_after. On its return the hosts have a whole dead_after to be heard from: a run
-    whose machine froze for 160 s had all four hosts declared dead at once and failed."""
+CONTROLLER_PROCESS = """
+import sys, time
+from pathlib import Path
+from resilient_jax.elastic.controller import Controller
+ctl = Controller(config_hash="a" * 64, expected_hosts=2, run_dir=Path(sys.argv[1]), token="s3cret",
+                 dead_after_seconds=2.0)
+print(ctl.url, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_controller_process_that_did_not_run_does_not_declare_its_hosts_dead_on_its_return(tmp_path):
+    """SIGSTOP to a controller's process for longer than dead_after: on SIGCONT its hosts have a
+    whole dead_after to be heard from (a run whose machine froze for 160 s had all four hosts
+    declared dead at once and failed); and silence still counts from its return."""
+    proc = subprocess.Popen([sys.executable, "-c", CONTROLLER_PROCESS, str(tmp_path)], stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        client = ControllerClient(proc.stdout.readline().strip(), "s3cret")
+        for host in ("h0", "h1"):
+            client.call("/register", host=host, region="us", devices=2, config_hash="a" * 64)
+        proc.send_signal(signal.SIGSTOP)
+        time.sleep(2.0 + 1.5)
+        proc.send_signal(signal.SIGCONT)
+        time.sleep(0.5)  # its threads' ticks after the pause
+
+        def statuses():
+            return {h: m["status"] for h, m in json.loads((tmp_path / "elastic" / "status.json").read_text())[
+                "members"].items()}
+
+        assert "dead" not in statuses().values(), statuses()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and set(statuses().values()) != {"dead"}:
+            time.sleep(0.1)
+        assert set(statuses().values()) == {"dead"}
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        proc.kill()
+        proc.wait()
+
+
+def test_a_lock_held_by_slow_requests_is_not_a_pause_and_hides_no_death(controller):
+    """The controller's lock held again and again (a slow disk under its status writes): the other
+    threads run meanwhile, so no silence is credited and a silent host is still declared dead."""
     client = ControllerClient(controller.url, "s3cret")
     for host in ("h0", "h1"):
         client.call("/register", host=host, region="us", devices=2, config_hash="a" * 64)
-    with controller._lock:
-        time.sleep(controller.dead_after + 1.5)
-    time.sleep(0.5)  # the monitor's ticks after the stall
-    assert all(m.status != "dead" for m in controller.members.values())
-    # Silence still counts from the controller's return: nobody speaks, so both are declared dead.
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(m.status != "dead" for m in controller.members.values()):
-        time.sleep(0.1)
-    assert all(m.status == "dead" for m in controller.members.values())
+    stop = threading.Event()
+
+    def hog():
+        while not stop.is_set():
+            with controller._lock:
+                time.sleep(1.2)
+            time.sleep(0.01)
+
+    hogging = threading.Thread(target=hog, daemon=True)
+    hogging.start()
+    try:
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and controller.members["h1"].status != "dead":
+            time.sleep(0.1)
+    finally:
+        stop.set()
+        hogging.join()
+    assert controller.members["h1"].status == "dead"
 
 
 def test_a_member_a_step_behind_is_not_a_holder_so_the_world_broadcasts(controller):

@@ -258,6 +258,11 @@ class Controller:
         self.server = channel.serve(self, bind, port, token, tls.server_context() if tls else None)
         self.url = (f"https://{connect_host(bind)}:{self.server.server_address[1]}" if tls
                     else f"http://{bind}:{self.server.server_address[1]}")
+        self._pauses: list[tuple[float, float]] = []  # spans the process did not run (_clock), not yet applied
+        self._pauses_lock = threading.Lock()
+        self._last_tick = time.monotonic()
+        self._clock_thread = threading.Thread(target=self._clock, name="controller-clock", daemon=True)
+        self._clock_thread.start()
         self._monitor = threading.Thread(target=self._watch, name="controller-monitor", daemon=True)
         self._monitor.start()
         self._write_status()
@@ -702,24 +707,39 @@ class Controller:
         self._lock.notify_all()
         self._write_status()
 
+    def _clock(self) -> None:
+        """Ticks every 0.05 s, taking no controller lock: a gap between ticks is a span the process
+        did not run. (The controller's lock held by a slow request is not one: the other threads run
+        and hear the hosts meanwhile.)"""
+        while not self._stop.wait(0.05):
+            self._tick(time.monotonic())
+
+    def _tick(self, now: float) -> None:
+        """Notes a pause ending at `now` if no tick (the clock's or the monitor's, whichever runs
+        first after one) came for PAUSE_SECONDS."""
+        with self._pauses_lock:
+            if now - self._last_tick > membership.PAUSE_SECONDS:
+                self._pauses.append((self._last_tick, now))
+            self._last_tick = max(self._last_tick, now)
+
     def _watch(self) -> None:
-        previous_tick = None
         while not self._stop.is_set():
+            self._tick(time.monotonic())  # before the lock: a pause is seen even if this thread runs first
             with self._lock:
-                now = time.monotonic()
+                with self._pauses_lock:
+                    pauses, self._pauses = self._pauses, []
+                for start, end in pauses:
+                    log.warning("the controller did not run for %.1f s; not counted as its hosts' silence",
+                                end - start)
                 watched = {m.host: m.last_seen for m in self.members.values()
                            if m.status in ("registered", "spare", "active", "idle")}
-                last_seen, silent = membership.silent_hosts(watched, now, previous_tick, self.dead_after)
-                if previous_tick is not None and now - previous_tick > membership.MONITOR_GAP_SECONDS:
-                    log.warning("the controller did not run for %.1f s; not counted as its hosts' silence",
-                                now - previous_tick)
+                last_seen, silent = membership.silent_hosts(watched, time.monotonic(), pauses, self.dead_after)
                 for host, seen in last_seen.items():
                     self.members[host].last_seen = seen
                 for host, silence in silent:
                     self._declare_dead(self.members[host], f"silent for {silence:.1f} s")
                 self._check_stragglers()
                 self._maybe_reform()
-                previous_tick = time.monotonic()
             time.sleep(0.05)
 
     def _maybe_reform(self) -> None:

@@ -90,25 +90,27 @@ def plan_reform(members: Sequence[str], status: Mapping[str, str], completed: Ma
     )
 
 
-# The monitor ticks every 0.05 s; a gap this long between two ticks means the controller itself did
-# not run (its process stopped, the machine thrashing, a VM paused), not that the hosts went quiet.
-MONITOR_GAP_SECONDS = 1.0
+# The controller's clock thread ticks every 0.05 s and takes no lock; a gap this long between two
+# of its ticks means the controller's process did not run (stopped, its machine thrashing, a VM
+# paused) -- not a lock held by a slow request, during which the other threads still run.
+PAUSE_SECONDS = 1.0
 
 
-def silent_hosts(last_seen: Mapping[str, float], now: float, previous_tick: float | None,
+def silent_hosts(last_seen: Mapping[str, float], now: float, pauses: Sequence[tuple[float, float]],
                  dead_after: float) -> tuple[dict[str, float], list[tuple[str, float]]]:
     """The liveness verdict at `now`: (every host's last_seen, the hosts silent for longer than
     `dead_after`, with their silence), given `last_seen` (when each watched host was last heard from)
-    and the monitor's `previous_tick`.
+    and `pauses`, the (start, end) spans the controller's process did not run, not yet applied.
 
     Time the controller did not run is nobody's silence: a heartbeat sent while it was stopped waits
-    in its socket, unread. After a gap longer than MONITOR_GAP_SECONDS every host's last_seen moves
-    forward by the gap, so each has a whole `dead_after` from the controller's return to be heard
-    (a run once declared all four of its hosts dead at once, "silent for 160 s", when its machine
-    stalled for that long and the hosts with it). A dead process is not waited for: the launcher
-    reports its exit as it happens."""
-    gap = 0.0 if previous_tick is None else now - previous_tick
-    if gap > MONITOR_GAP_SECONDS:
-        last_seen = {host: seen + gap for host, seen in last_seen.items()}
-    silent = [(host, now - seen) for host, seen in last_seen.items() if now - seen > dead_after]
-    return dict(last_seen), silent
+    in its socket, unread. Each host's last_seen moves forward by the part of each pause after it was
+    last heard (never past `now`): each has a whole `dead_after` from the controller's return to be
+    heard, and keeps the silence it had before. A host heard after a pause gets nothing for it. (A
+    run once declared all four of its hosts dead at once, "silent for 160 s", when its machine
+    stalled for that long.) A dead process is not waited for: the launcher reports its exit."""
+    moved = {}
+    for host, seen in last_seen.items():
+        credit = sum(end - max(start, seen) for start, end in pauses if end > seen)
+        moved[host] = min(seen + credit, now)
+    silent = [(host, now - seen) for host, seen in moved.items() if now - seen > dead_after]
+    return moved, silent
