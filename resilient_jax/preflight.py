@@ -149,14 +149,15 @@ def check_precompiled_moment(cfg: Config, fault: Fault) -> None:
 
 def check_save_moment(cfg: Config, fault: Fault) -> None:
     """kill_host:H@save:STEP fires only while a checkpoint of STEP is written: checkpoints on, STEP a
-    periodic save before the last step (the final save ends the run: no world is left to absorb a
-    death there)."""
+    periodic save or the last step's (the final checkpoint, always written)."""
     ck, steps = cfg.checkpoint, cfg.train.steps
     if not ck.enabled:
         raise ConfigError(f"fault {fault}: checkpoint.enabled is false, so no checkpoint is ever written")
-    if fault.step >= steps:
-        raise ConfigError(f"fault {fault}: the checkpoint of step {fault.step} is not written before the run's "
-                          f"last step {steps} (train.steps); pick a periodic save before it")
+    if fault.step > steps:
+        raise ConfigError(f"fault {fault}: the run has {steps} steps (train.steps), so no checkpoint of step "
+                          f"{fault.step} is ever written; pick a periodic save or the last step")
+    if fault.step == steps:
+        return
     if not ck.every_seconds and (not ck.every_steps or fault.step % ck.every_steps):
         raise ConfigError(f"fault {fault}: no checkpoint is written at step {fault.step} (checkpoint.every_steps "
                           f"{ck.every_steps}); pick a multiple of it")

@@ -142,9 +142,10 @@ def test_a_planned_world_change_lets_the_save_in_flight_commit_unless_a_member_d
             time.sleep(self.seconds)
             self.closed_at = time.perf_counter()
 
-    worker, ckpt = SimpleNamespace(coordinator_port=4242), SlowCommit(0.5)
+    worker, ckpt = SimpleNamespace(coordinator_port=4242, _unstuck=None), SlowCommit(0.5)
+    worker._unless_aborted = lambda work, name: Worker._unless_aborted(worker, work, name)
     Worker._commit_before_leaving(worker, ckpt)
-    assert ckpt.closed_at is not None  # returned only once the save committed
+    assert ckpt.closed_at is not None and worker._unstuck is None  # returned only once the save committed
 
     ckpt = SlowCommit(30)
     threading.Timer(0.3, lambda: setattr(worker, "coordinator_port", None)).start()  # the verdict
@@ -152,6 +153,51 @@ def test_a_planned_world_change_lets_the_save_in_flight_commit_unless_a_member_d
     Worker._commit_before_leaving(worker, ckpt)
     assert time.perf_counter() - started < 5 and ckpt.closed_at is None
     assert "a member died while the checkpoint in flight committed" in caplog.text
+    assert worker._unstuck.is_alive()  # left to _close_checkpoints, once the world is shut down
+
+
+@pytest.mark.parametrize("reason", ["failure", "change"])
+def test_leaving_closes_the_checkpoints_and_abandons_a_save_only_a_dead_member_could_finish(caplog, reason):
+    """A failed world's save whose orbax threads wait on a dead member (rank 0's signals) would hold
+    the survivor for orbax's 300 s timeout: after a short grace it is abandoned, and the next world's
+    store removes what it wrote. A save that fails at once is closed as usual (its error is one
+    warning); a planned change waits for its save to commit."""
+    import time
+    from types import SimpleNamespace
+
+    from resilient_jax.checkpoint.store import CheckpointSaveError
+    from resilient_jax.elastic import worker as worker_lib
+
+    class Checkpoints:
+        def __init__(self, close):
+            self._close, self.abandoned, self.closed = close, False, False
+
+        def close(self):
+            self._close()
+            self.closed = True
+
+        def abandon(self):
+            self.abandoned = True
+
+    def failing():
+        raise CheckpointSaveError("checkpoint save of step 20 to /ckpt failed: CANCELLED")
+
+    worker = SimpleNamespace(_unstuck=None, generation=3,
+                             life=SimpleNamespace(state=State.LEAVING, leave_reason=reason))
+    stuck = Checkpoints(lambda: time.sleep(30))
+    started = time.perf_counter()
+    if reason == "failure":
+        worker_lib.Worker._close_checkpoints(worker, stuck)
+        assert stuck.abandoned and not stuck.closed
+        assert time.perf_counter() - started < worker_lib.FAILED_SAVE_GRACE_SECONDS + 3
+        assert "left generation 3 with its checkpoint save unfinished: abandoned" in caplog.text
+        failed = Checkpoints(failing)
+        worker_lib.Worker._close_checkpoints(worker, failed)
+        assert not failed.abandoned and "leaving the world: checkpoint save of step 20" in caplog.text
+    else:
+        slow = Checkpoints(lambda: time.sleep(worker_lib.FAILED_SAVE_GRACE_SECONDS + 0.5))
+        worker_lib.Worker._close_checkpoints(worker, slow)
+        assert slow.closed and not slow.abandoned  # every member alive: it commits
 
 
 def test_a_later_world_restores_from_the_invocations_resume_when_the_run_writes_no_checkpoints():

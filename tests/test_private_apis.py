@@ -80,6 +80,20 @@ def test_orbax_signalling_client_cache():
     assert hasattr(signaling_client.get_signaling_client, "cache_clear")
 
 
+def test_orbax_operation_ids_are_numbered_per_world():
+    """resilient_jax/elastic/world.py sets orbax's count of saves (it names the signal keys the
+    members of a save wait on) when a world forms: the setting must reach what orbax reads."""
+    from orbax.checkpoint._src.futures import synchronization
+
+    from resilient_jax.elastic import world
+
+    generator = synchronization.OperationIdGenerator
+    generator.next_operation_id()
+    world.number_orbax_operations(3)
+    assert generator.get_current_operation_id() == str(3 * world.ORBAX_OPERATIONS_PER_WORLD)
+    assert generator.next_operation_id() == 3 * world.ORBAX_OPERATIONS_PER_WORLD + 1
+
+
 def test_jit_cache_size_used_by_the_no_recompile_test():
     f = jax.jit(lambda x: x + 1)
     f(1.0)

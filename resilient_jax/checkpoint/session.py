@@ -252,6 +252,11 @@ class CheckpointSession:
         self.save(step, state, position)
         self.close()
 
+    def abandon(self) -> None:
+        """The world this session saves with has failed: see CheckpointStore.abandon."""
+        if self.store is not None:
+            self.store.abandon()
+
     def close(self) -> None:
         if self._closed:
             return

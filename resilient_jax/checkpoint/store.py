@@ -257,6 +257,7 @@ class CheckpointStore:
         # Orbax's save call (see the module docstring), one at a time, in the order of `save`.
         self._saver = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint-save")
         self._starting: concurrent.futures.Future | None = None
+        self._abandoned = False
 
     # -- listing ------------------------------------------------------------------------------------
 
@@ -305,8 +306,20 @@ class CheckpointStore:
         )
         self._manager.save(step, args=args, force=True)
 
+    def abandon(self) -> None:
+        """The processes this store saves with are no longer one world (a member died): a save in
+        flight can never commit, and orbax's threads for it wait on the dead member's signals
+        until orbax's own timeout (300 s). From now on nothing of this store waits for them or
+        touches the directory -- not even to remove the save's temporary directory, which the
+        next store opened on it removes (a late removal from here could hit that store's save of
+        the same step). Thread-safe: another thread may be inside `wait` or `close`."""
+        self._abandoned = True
+
     def wait(self) -> None:
         """Blocks until the last save committed; raises CheckpointSaveError if it failed."""
+        if self._abandoned:
+            self._starting = self._pending_step = None
+            return
         self._await_started()
         try:
             self._manager.wait_until_finished()
@@ -340,7 +353,12 @@ class CheckpointStore:
     def _fail(self, step: int | None, error: BaseException) -> None:
         # The first failing item ends the save, but other items' writes may still be running and
         # would recreate the temporary directory after we removed it: let them finish first.
-        orbax_errors.join_background_writes()
+        if not self._abandoned:
+            orbax_errors.join_background_writes()
+        if self._abandoned:  # then or meanwhile: leave the directory to the next store
+            self._pending_step = None
+            raise CheckpointSaveError(f"checkpoint save of step {step} to {self.root} was abandoned: a member of "
+                                      f"its world died ({orbax_errors.first_line(error)})") from error
         # Orbax raises a failed background commit once per thread that waits for it: let the saver
         # thread take it now, or it would come back as the next save's failure.
         self._saver.submit(self._take_failure).result()
@@ -365,8 +383,11 @@ class CheckpointStore:
         try:
             self.wait()
         finally:
-            self._saver.shutdown(wait=True)
-            self._manager.close()
+            if self._abandoned:  # its saver thread may be held in a dead world's barrier
+                self._saver.shutdown(wait=False, cancel_futures=True)
+            else:
+                self._saver.shutdown(wait=True)
+                self._manager.close()
 
     # -- restoring ------------------------------------------------------------------------------------
 

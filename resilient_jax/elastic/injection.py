@@ -20,6 +20,9 @@ import time
 import numpy as np
 
 
+SAVE_STARTED_SECONDS = 10
+
+
 class HostFaults:
     def __init__(self, faults, host_index: int, region: str, client, host: str):
         mine = [f for f in faults if (f.kind in ("kill_host", "hang_host") and int(f.target) == host_index)
@@ -78,8 +81,18 @@ class HostFaults:
         """World `generation` is about to move the state of `step` completed steps to its members."""
         self._at("adopt", generation, step)
 
-    def saving(self, step: int) -> None:
-        """The checkpoint of `step` completed steps is being written (the save has started)."""
+    def saving(self, step: int, root) -> None:
+        """The checkpoint of `step` completed steps is being written (the save has started) into the
+        checkpoint directory `root`. A kill waits until the save's temporary directory is there
+        (rank 0 makes it once every member has begun the save; at most SAVE_STARTED_SECONDS): the
+        death then lands while the members wait on each other in the save's own barriers."""
+        if any(f.moment == "save" and f.step == step for f in self.at_moment):
+            from resilient_jax.checkpoint import reader
+
+            deadline = time.monotonic() + SAVE_STARTED_SECONDS
+            while time.monotonic() < deadline and not any(p.name.startswith(f"{step}.")
+                                                          for p in reader.temporary_dirs(root)):
+                time.sleep(0.005)
         self._at("save", step, step)
 
     def _at(self, moment: str, number: int, step: int) -> None:

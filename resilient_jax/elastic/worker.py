@@ -63,6 +63,11 @@ log = logging.getLogger("resilient_jax.worker")
 
 # Why a run stops early, as agreed across members (the all-gather takes the maximum).
 STOP_REASONS = (None, "interrupted", "preempted", "stop_at")
+# How long leaving a failed world waits for its checkpoint save in flight to end, once its
+# coordination client is shut down: one whose barrier that fails ends in ~0.2 s (measured); one
+# whose orbax threads wait on a dead member is abandoned after it (a failed world's save can
+# never commit: every member writes its part).
+FAILED_SAVE_GRACE_SECONDS = 1
 BAD_INPUT_EXIT = 2  # as `python -m resilient_jax.train`: a mistake of the caller's, said in one line
 
 
@@ -449,6 +454,7 @@ class Worker:
         invocation = options.get("invocation")  # names this invocation's exported programs (a folder)
         self.invocation = invocation if isinstance(invocation, str) and re.fullmatch("[0-9a-f]{16}", invocation) else None
         self._last_progress: tuple[int, float] | None = None  # (step, perf_counter) of the last progress line
+        self._unstuck: threading.Thread | None = None  # a checkpoint wait a verdict left running (_unless_aborted)
 
     def run(self) -> int:
         """The state machine's loop (resilient_jax.elastic.lifecycle): wait for a world, live in it
@@ -532,6 +538,7 @@ class Worker:
         with self._world_lock:
             self.generation = world["generation"]
             self.coordinator_port = int(world["coordinator"].rsplit(":", 1)[1])
+        world_lib.number_orbax_operations(self.generation)
         self.heartbeat.generation = self.generation
         log.info("generation %d: rank %d of %d, resume at step %d", self.generation, rank, len(members),
                  world["resume_step"])
@@ -557,7 +564,7 @@ class Worker:
             self.verified_dataset = trainer.manifest
             self.verified_eval_dataset = trainer.evalset.manifest if trainer.evalset else None
             ckpt = trainer.checkpoints(generation=self.generation, regions=regions)
-            ckpt.on_save = self.faults.saving
+            ckpt.on_save = lambda step, root=ckpt.root: self.faults.saving(step, root)
             if world["source"] is None:
                 # A new run, or one resuming from the persistent checkpoint in run.dir.
                 resumed = trainer.restore(ckpt)
@@ -771,7 +778,28 @@ class Worker:
                 log.info("left a failed world: shut down this host's %d collective connections of generation %d",
                          n, self.generation)
             self.coordinator_port = None
-        world_lib.leave(before_reset=None if ckpt is None else ckpt.close)
+        world_lib.leave(before_reset=None if ckpt is None else lambda: self._close_checkpoints(ckpt))
+
+    def _close_checkpoints(self, ckpt) -> None:
+        """Closes this world's checkpoint session, after its coordination client is shut down.
+
+        A world left as planned, or at the run's end, closes it as usual. A failed world closes it
+        with a deadline: a save in flight whose barrier the shutdown fails ends at once (its
+        temporary directory removed); one whose orbax threads wait on a dead member's signals --
+        rank 0's -- would wait out orbax's 300 s timeout, so it is abandoned (CheckpointStore.abandon)
+        and the next world's store removes what it left."""
+        stuck, self._unstuck = self._unstuck, None
+        if stuck is None and not (self.life.state is State.LEAVING and self.life.leave_reason == "failure"):
+            ckpt.close()
+            return
+        if stuck is None:
+            stuck = threading.Thread(target=_close_quietly, args=(ckpt,), name="checkpoint-close", daemon=True)
+            stuck.start()
+        stuck.join(FAILED_SAVE_GRACE_SECONDS)
+        if stuck.is_alive():
+            ckpt.abandon()
+            log.warning("left generation %d with its checkpoint save unfinished: abandoned (the next world "
+                        "removes what it wrote)", self.generation)
 
     def _commit_before_leaving(self, ckpt) -> None:
         """A planned change (a join, a drain, a reslot: every member alive, all leaving at this
@@ -779,23 +807,44 @@ class Worker:
         go through the coordination service, which leaving shuts down, and the save was lost. A
         verdict that a member died meanwhile (`abort`) ends the wait: then the save is lost, as in
         any failure, and the run goes on from the previous checkpoint."""
-        done, failed = threading.Event(), []
+        from resilient_jax.checkpoint.store import CheckpointSaveError
 
-        def close() -> None:
+        try:
+            self._unstuck = self._unless_aborted(ckpt.close, "checkpoint-commit-before-leaving")
+        except CheckpointSaveError as e:  # one line, already naming the step
+            log.warning("leaving the world: %s", e)
+            return
+        if self._unstuck is not None:
+            log.warning("a member died while the checkpoint in flight committed: leaving without it")
+
+    def _unless_aborted(self, work, name: str) -> threading.Thread | None:
+        """Runs `work()` on a thread named `name` and waits for it, unless the controller's verdict
+        that a member of this world died (`abort`) comes first. None once `work` returned (its
+        exception is raised here); else the thread, still running.
+
+        For waits on the coordination service: an orbax save's barriers and commit go through it,
+        and the verdict aborts the world's collectives, not those barriers -- a save in flight
+        when a member dies would hold this host until orbax's own timeout (minutes). The thread
+        ends when leaving the world shuts the coordination client down (its barrier then fails);
+        `_leave` joins it there, before the next world writes to the same checkpoint directory."""
+        done, raised = threading.Event(), []
+
+        def run() -> None:
             try:
-                ckpt.close()
-            except Exception as e:  # CheckpointSaveError: one line, already naming the step
-                failed.append(e)
+                work()
+            except BaseException as e:  # noqa: BLE001  (re-raised on the waiting thread)
+                raised.append(e)
             finally:
                 done.set()
 
-        threading.Thread(target=close, name="checkpoint-commit-before-leaving", daemon=True).start()
-        while not done.wait(0.1):
+        thread = threading.Thread(target=run, name=name, daemon=True)
+        thread.start()
+        while not done.wait(0.05):
             if self.coordinator_port is None:
-                log.warning("a member died while the checkpoint in flight committed: leaving without it")
-                return
-        if failed:
-            log.warning("leaving the world: %s", failed[0])
+                return thread
+        if raised:
+            raise raised[0]
+        return None
 
     def _steps(self, trainer, loop, state, step: int) -> tuple[Event, str]:
         """Run steps until the run ends or this world must be left; the event that ends the
@@ -870,7 +919,8 @@ class Worker:
             clock.started_at = None
             # compute() never donates: `state` is still the state after step `step`, on our devices.
             self._keep(self._to_host(state), loop)
-            return Event.STEP_FAILED, f"step {step + 1} in generation {self.generation}: {str(e).splitlines()[0][:200]}"
+            where = f"step {step + 1}" if step < total else "the final checkpoint"
+            return Event.STEP_FAILED, f"{where} in generation {self.generation}: {str(e).splitlines()[0][:200]}"
 
     def _reassigned(self, decision, loop, step: int, *, started: float) -> None:
         """Take the new assignment from the next step on (every member does, at the same step).
@@ -892,7 +942,16 @@ class Worker:
         """The last checkpoint (committed before returning), then the summary from rank 0."""
         import jax
 
-        loop.finish(state, step, stopped=stopped)
+        from resilient_jax.elastic import world as world_lib
+
+        # The last checkpoint commits across the world, through the coordination service: a member
+        # dying meanwhile fails this world like a step that failed (the survivors form the next
+        # one, which has no step left to run and commits the checkpoint of the same step).
+        self._unstuck = self._unless_aborted(lambda: loop.finish(state, step, stopped=stopped),
+                                             "final-checkpoint")
+        if self._unstuck is not None:
+            raise world_lib.WorldAborted(f"a member of generation {self.generation} died while the checkpoint of "
+                                         f"step {step} committed")
         summary = trainer.summarize(state, self.totals, time.perf_counter() - self.started, loop.data_position())
         summary.update(final_step=step, stopped=stopped, state_seconds=self.life.totals())
         if stopped:
@@ -951,6 +1010,15 @@ class Worker:
             self.metrics = MetricsLog(trainer.run_dir, self.cfg.train.steps, progress="plain", start_step=start)
             self.metrics_dropped = self.metrics.dropped
         return self.metrics
+
+
+def _close_quietly(ckpt) -> None:
+    from resilient_jax.checkpoint.store import CheckpointSaveError
+
+    try:
+        ckpt.close()
+    except CheckpointSaveError as e:  # the failed world's save: one line, naming the step
+        log.warning("leaving the world: %s", e)
 
 
 def _device_bytes(arrays) -> int:

@@ -15,6 +15,7 @@ Private APIs used (pinned jax==0.10.2; tests/test_private_apis.py fails loudly i
 from __future__ import annotations
 
 import gc
+import itertools
 import logging
 import os
 import time
@@ -336,3 +337,25 @@ def _clear_orbax_signalling_client() -> None:
     except ImportError:  # pragma: no cover - layout of a different orbax version
         return
     signaling_client.get_signaling_client.cache_clear()
+
+
+# Orbax's count of saves per world: far more than a world ever begins.
+ORBAX_OPERATIONS_PER_WORLD = 1_000_000
+
+
+def number_orbax_operations(generation: int) -> None:
+    """Numbers this world's orbax saves from `generation` * ORBAX_OPERATIONS_PER_WORLD, on every member.
+
+    Orbax names the signal keys the members of a save wait on by a per-process count of saves
+    begun. A save that a death interrupted has moved that count on some members and not on
+    others (measured: rank 0 killed while the final checkpoint committed; in the next world the
+    members' keys differed and its save waited out orbax's 300 s timeout). Counting afresh from
+    zero is not enough either: the interrupted save's own threads, still waiting, fetch the
+    signalling client anew and would take the next world's signal for the same count as theirs
+    -- measured, they then wrote their files into that world's save of the same step, after its
+    commit. Each world has its own range."""
+    from orbax.checkpoint._src.futures import synchronization
+
+    generator = synchronization.OperationIdGenerator
+    generator._operation_id_counter = itertools.count(generation * ORBAX_OPERATIONS_PER_WORLD)
+    generator._operation_id = next(generator._operation_id_counter)
