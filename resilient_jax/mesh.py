@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from resilient_jax.config import ParallelConfig
+from resilient_jax.config import ConfigError, ParallelConfig
 
 MESH_AXES = ("data", "fsdp", "tensor")
 DATA_AXIS, FSDP_AXIS, TENSOR_AXIS = MESH_AXES
@@ -41,18 +41,18 @@ def mesh_shape(parallel: ParallelConfig, num_devices: int) -> dict[str, int]:
     rest = [axis for axis, size in sizes.items() if size == -1]
     for axis, size in sizes.items():
         if size == 0 or size < -1:
-            raise ValueError(f"parallel.{axis} must be a positive size or -1 (the rest), got {size}")
+            raise ConfigError(f"parallel.{axis} must be a positive size or -1 (the rest), got {size}")
     if len(rest) > 1:
-        raise ValueError(f"only one of parallel.data/fsdp/tensor may be -1, got -1 for {', '.join(rest)}")
+        raise ConfigError(f"only one of parallel.data/fsdp/tensor may be -1, got -1 for {', '.join(rest)}")
     fixed = math.prod(size for size in sizes.values() if size != -1)
     if rest:
         if num_devices % fixed:
-            raise ValueError(
+            raise ConfigError(
                 f"parallel.{rest[0]}=-1: {num_devices} devices are not divisible by the other axes' product {fixed}"
             )
         sizes[rest[0]] = num_devices // fixed
     if math.prod(sizes.values()) > num_devices:
-        raise ValueError(
+        raise ConfigError(
             f"parallel.data*fsdp*tensor = {math.prod(sizes.values())} exceeds the {num_devices} devices available; "
             "lower them or set parallel.devices"
         )

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cli_args import at_least, config_file, load_config_or_exit  # noqa: E402  (a script next to this one)
+from cli_args import at_least, config_file, load_config_or_exit, refused_in_one_line  # noqa: E402  (a script next to this one)
 
 
 def main() -> None:
@@ -38,7 +38,7 @@ def main() -> None:
 
     results = {}
     # The runs' directories go with the script, whether it ends or fails.
-    with tempfile.TemporaryDirectory(prefix="bench-step-") as work:
+    with tempfile.TemporaryDirectory(prefix="bench-step-") as work, refused_in_one_line(parser):
         for reduction in ("native", "invariant"):
             cfg = load_config(args.config, [*args.overrides, f"parallel.reduction={reduction}", "run.progress=quiet",
                                             f"run.dir={work}/{reduction}"])

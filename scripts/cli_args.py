@@ -5,6 +5,7 @@ empty median, a division by zero, a traceback or a file that cannot be written."
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 from pathlib import Path
@@ -84,6 +85,20 @@ def load_config_or_exit(parser: argparse.ArgumentParser, config, overrides=()):
     try:
         return load_config(config, list(overrides))
     except ConfigError as e:
+        parser.error(str(e))
+
+
+@contextlib.contextmanager
+def refused_in_one_line(parser: argparse.ArgumentParser):
+    """A mistake that only shows once the devices exist or the dataset is read -- a mesh larger than
+    the devices, a data.src that is not there -- as argparse's one error line (exit 2), as
+    `python -m resilient_jax.train` says it, not a traceback after the imports."""
+    from resilient_jax.config import ConfigError
+    from resilient_jax.data.errors import DatasetError
+
+    try:
+        yield
+    except (ConfigError, DatasetError) as e:
         parser.error(str(e))
 
 

@@ -44,6 +44,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from chaos_drill import REPO, fresh_output_dir, one_process_sets  # noqa: E402  (a script next to this one)
+from cli_args import config_file  # noqa: E402
 
 FAULT_CLASSES = ("kill_host", "hang_host", "slow_host", "kill_region", "delay_host", "nan_shard", "sigterm_all")
 # Relative weights: destructive classes are bounded by the host budget anyway.
@@ -277,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, required=True)
     parser.add_argument("--faults", type=int, required=True, help="how many faults to draw (1..100)")
     parser.add_argument("--steps", type=int, required=True, help="train.steps of the soaked run (>= 20)")
-    parser.add_argument("--config", default="configs/cpu-6host-3region.yaml")
+    parser.add_argument("--config", type=config_file, default="configs/cpu-6host-3region.yaml",
+                        help="yours (against your directory) if it is there, else the repository's")
     parser.add_argument("--out", type=Path, default=None, help="default runs/soak-SEED")
     args = parser.parse_args(argv)
     if not 1 <= args.faults <= 100:
@@ -289,8 +291,6 @@ def main(argv: list[str] | None = None) -> int:
     from resilient_jax.config import ConfigError, load_config
 
     try:
-        # A path of yours (against your directory) if it is there, else one of the repository's configs.
-        args.config = str(Path(args.config).resolve() if Path(args.config).exists() else REPO / args.config)
         cfg = load_config(args.config)
     except ConfigError as e:
         parser.exit(2, f"error: {e}\n")

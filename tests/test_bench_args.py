@@ -129,9 +129,34 @@ def test_a_missing_config_is_named(run_script, tmp_path, name, args):
     assert_refused(proc, name, "--config", str(tmp_path / "nothere.yaml"))
 
 
+def test_the_soak_reads_its_config_by_the_same_rule(run_script, tmp_path):
+    """scripts/soak.py resolves --config as the benchmarks do (cli_args.config_file): a missing file
+    is named by both paths it tried, a directory is not taken for a config."""
+    (tmp_path / "configs").mkdir()  # a directory of the caller's named like the repository's file
+    proc = run_script("soak.py", "--seed", "1", "--faults", "2", "--steps", "20", "--config", "nothere.yaml",
+                      cwd=tmp_path)
+    assert_refused(proc, "soak.py", "--config", str(tmp_path / "nothere.yaml"), str(REPO / "nothere.yaml"))
+    proc = run_script("soak.py", "--seed", "1", "--faults", "2", "--steps", "20", "--config", "configs", cwd=tmp_path)
+    assert_refused(proc, "soak.py", "--config", str(tmp_path / "configs"))
+
+
 def test_a_repository_config_is_found_from_any_directory(run_script, tmp_path):
     """configs/NAME.yaml, as the usage lines write it, still names the repository's file from
     elsewhere (scripts/soak.py's rule): the --set typo is what is refused, not the file."""
     proc = run_script("bench_goodput.py", "--config", "configs/cpu-4host.yaml", "--set", "runtime.asignment=uniform",
                       cwd=tmp_path)
     assert_refused(proc, "bench_goodput.py", "runtime.asignment")
+
+
+@pytest.mark.parametrize("name, args", [
+    ("bench_checkpoint.py", ["--config", "configs/tiny.yaml", "--saves", "1", "--steps", "1"]),
+    ("bench_step.py", ["--config", "configs/tiny.yaml", "--steps", "1", "--rounds", "1"]),
+])
+def test_a_mesh_larger_than_the_devices_is_one_line(tmp_path, name, args):
+    """What only the devices can refuse (parallel.data above the emulated devices) is found when the
+    trainer is built, after the imports: still the script's one error line, not a traceback."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, f"scripts/{name}", *args, "--set", "parallel.data=16"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert_refused(proc, name, "parallel.data*fsdp*tensor = 16", "8 devices")
+    assert not any(tmp_path.iterdir()), list(tmp_path.iterdir())  # its temporary run directory went with it
