@@ -10,6 +10,9 @@ Spec grammar (one string per fault):
                               adopts nothing, so the fault does not fire there). With a newcomer the
                               state is being broadcast; with survivors only, each is placing its own copy
     kill_host:H@save:STEP     SIGKILL host H while the checkpoint of STEP (completed steps) is being written
+    kill_host:H@report:STEP   SIGKILL host H as it reports the run's end after STEP (= train.steps) completed
+                              steps, its final checkpoint committed: only the final world's rank 0 reports
+                              it, so the fault fires only where H is that rank 0
     kill_host:H@precompiled:G SIGKILL host H during the first step after rank 0 of generation G (or a later
                               one) has compiled the likely next worlds ahead (runtime.precompile_next_worlds;
                               without it the fault never fires)
@@ -37,7 +40,7 @@ from resilient_jax.config import ConfigError
 _SPECS = {
     "nan_shard": (re.compile(r"^nan_shard:(?P<target>\d+)@(?P<step>\d+)$"), "nan_shard:SHARD@STEP"),
     "kill_host": (re.compile(r"^kill_host:(?P<target>\d+)@((?P<moment>[a-z_]+):)?(?P<step>\d+)$"),
-                  "kill_host:HOST@STEP or kill_host:HOST@MOMENT:N (MOMENT: formation, adopt, save, precompiled)"),
+                  "kill_host:HOST@STEP or kill_host:HOST@MOMENT:N (MOMENT: formation, adopt, save, report, precompiled)"),
     "kill_region": (re.compile(r"^kill_region:(?P<target>[\w.-]+)@(?P<step>\d+)$"), "kill_region:REGION@STEP"),
     "hang_host": (re.compile(r"^hang_host:(?P<target>\d+)@(?P<step>\d+)$"), "hang_host:HOST@STEP"),
     "join_host": (re.compile(r"^join_host@(?P<step>\d+)$"), "join_host@STEP"),
@@ -48,8 +51,8 @@ _SPECS = {
 }
 
 # When a kill_host fires, besides inside a step: the moments of a recovery and of a checkpoint save.
-# formation, adopt and precompiled count generations; save counts completed steps (the checkpoint's number).
-MOMENTS = ("formation", "adopt", "save", "precompiled")
+# formation, adopt and precompiled count generations; save and report count completed steps.
+MOMENTS = ("formation", "adopt", "save", "report", "precompiled")
 
 # Faults whose target is a host index (hN), checked against the run's host plan.
 HOST_TARGETED = ("kill_host", "hang_host", "delay_host", "slow_host")

@@ -118,6 +118,10 @@ def check_faults(cfg: Config, faults: list[Fault]) -> None:
     for fault in faults:
         if fault.moment == "save":
             check_save_moment(cfg, fault)
+        elif fault.moment == "report":
+            if fault.step != steps:
+                raise ConfigError(f"fault {fault}: the run's end is reported once, after its last step {steps} "
+                                  f"(train.steps); use report:{steps}")
         elif fault.moment == "precompiled":
             check_precompiled_moment(cfg, fault)
         elif fault.moment != "step":

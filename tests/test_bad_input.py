@@ -122,6 +122,7 @@ def test_bad_input_is_one_line_exit_2_nothing_written(workdir, capsys, extra, ex
     ("kill_host:9@formation:1", "fault kill_host:9@formation:1: host 9 does not exist (hosts 0..3)"),
     ("kill_host:1@compile:1", "fault 'kill_host:1@compile:1': unknown moment 'compile' (known: formation, adopt, save"),
     ("kill_host:1@save:25", "fault kill_host:1@save:25: no checkpoint is written at step 25 (checkpoint.every_steps 50)"),
+    ("kill_host:0@report:30", "fault kill_host:0@report:30: the run's end is reported once, after its last step 60"),
     ("kill_host:1@save:61", "fault kill_host:1@save:61: the run has 60 steps (train.steps), so no checkpoint of step 61"),
     ("kill_host:1@save:50 --set checkpoint.enabled=false",
      "fault kill_host:1@save:50: checkpoint.enabled is false, so no checkpoint is ever written"),

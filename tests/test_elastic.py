@@ -82,39 +82,43 @@ def test_deaths_while_a_world_moves_state_and_while_one_forms_are_absorbed(tmp_p
                                                        "training", "leaving", "done"}
 
 
-def test_deaths_while_checkpoints_are_written_are_absorbed_and_later_checkpoints_record_the_new_topology(
+def test_deaths_while_checkpoints_commit_and_as_the_end_is_reported_are_absorbed_and_checkpoints_record_the_topology(
         tmp_path, reference):
-    # (Also the plain killed-host case: h1 dies after step 20, the survivors re-form without it.)
-    # Then h2 dies while the final checkpoint commits, after the last step: the save's barriers go
-    # through the coordination service, which the verdict does not abort, and the survivors
-    # waited there -- the run hung.
-    summary = elastic_run(tmp_path, CPU4, "--set", "checkpoint.every_steps=20", "--fault", "kill_host:1@save:20",
-                          "--fault", f"kill_host:2@save:{STEPS}")
-    assert_absorbed(summary, reference, lost=["h1", "h2"], events=2)
-    event, final = summary["events"]
-    assert event["resume_step"] == 20  # the survivors' own state after step 20: nothing read back from disk
+    # h1 dies while the periodic checkpoint of step 25 is written (also the plain killed-host case:
+    # the survivors re-form without it). Then h2 dies while the final checkpoint (step 60, not a
+    # periodic one) commits, after the last step: the save's barriers go through the coordination
+    # service, which the verdict does not abort, and the survivors waited there -- the run hung.
+    # Then h0, rank 0 of the world that committed it, dies as it reports the run's end: the others
+    # had exited, and the run failed with its final checkpoint committed.
+    summary = elastic_run(tmp_path, CPU4, "--set", "checkpoint.every_steps=25", "--fault", "kill_host:1@save:25",
+                          "--fault", f"kill_host:2@save:{STEPS}", "--fault", f"kill_host:0@report:{STEPS}")
+    assert_absorbed(summary, reference, lost=["h1", "h2", "h0"], events=3)
+    event, final, report = summary["events"]
+    assert event["resume_step"] == 25  # the survivors' own state after step 25: nothing read back from disk
     assert event["detection_seconds"] is not None and summary["worker_exit_codes"]["h1"] == -9
-    # After the final step's death the next world has no step to run: it commits the checkpoint.
+    # After the final step's deaths each next world has no step to run: it commits the checkpoint
+    # (or finds it committed) and reports the end.
     assert (final["generation"], final["lost"], final["resume_step"]) == (2, ["h2"], STEPS)
-    assert summary["worker_exit_codes"]["h2"] == -9
+    assert (report["generation"], report["lost"], report["resume_step"]) == (3, ["h0"], STEPS)
+    assert summary["worker_exit_codes"]["h2"] == -9 and summary["worker_exit_codes"]["h0"] == -9
     # Survivors only: each placed its own copy of the state; none was sent across the world.
     log = (tmp_path / "elastic" / "logs" / "h3.log").read_text()
-    assert "adopted state after step 20: its own copy, which every member holds (nothing sent)" in log
-    # (found by a collective of the save, or by the verdict while it waited on the dead rank 0)
-    assert re.search(r"TRAINING -> LEAVING on STEP_FAILED after [0-9.]+ s: the final checkpoint in generation 1", log)
+    assert "adopted state after step 25: its own copy, which every member holds (nothing sent)" in log
+    assert re.search(r"TRAINING -> LEAVING on STEP_FAILED after [0-9.]+ s: the run's end in generation 1: ", log)
+    assert re.search(r"TRAINING -> LEAVING on STEP_FAILED after [0-9.]+ s: the run's end in generation 2: a member "
+                     r"of generation 2 died before the run's end was reported", log)
     assert "timed out" not in log and "DEADLINE_EXCEEDED" not in log
     # Checkpoints written after the faults carry the topology of the world that wrote them.
-    context = reader.read_context(tmp_path / "checkpoints" / "40")
+    context = reader.read_context(tmp_path / "checkpoints" / "50")
     assert context["topology"]["generation"] == 1 and context["topology"]["process_count"] == 3
     assert [h["region"] for h in context["topology"]["hosts"]] == ["us", "eu", "eu"]
     context = reader.read_context(tmp_path / "checkpoints" / str(STEPS))
     assert context["topology"]["generation"] == 2 and context["topology"]["process_count"] == 2
     assert [h["region"] for h in context["topology"]["hosts"]] == ["us", "eu"]
-    # Whatever of step 20's checkpoint the death left is never offered: every listed step verifies.
-    # Step 20's save died with h1 (orbax never commits a step some process did not finish), so the
-    # periodic saves after the fault are the run's checkpoints.
+    # Whatever the deaths left of step 25's and of generation 1's step 60 is never offered, and
+    # nothing of theirs landed in generation 2's step 60 after its commit: every listed step verifies.
     listed = reader.list_steps(tmp_path / "checkpoints")
-    assert listed == [40, 60]
+    assert listed == [50, 60]
     for step in listed:
         verify = run_cli("resilient_jax.checkpoint", "verify", str(tmp_path / "checkpoints" / str(step)))
         assert verify.returncode == 0, verify.stdout + verify.stderr

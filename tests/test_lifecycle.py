@@ -138,7 +138,7 @@ def test_a_planned_world_change_lets_the_save_in_flight_commit_unless_a_member_d
         def __init__(self, seconds):
             self.seconds, self.closed_at = seconds, None
 
-        def close(self):
+        def wait(self):
             time.sleep(self.seconds)
             self.closed_at = time.perf_counter()
 
@@ -169,11 +169,14 @@ def test_leaving_closes_the_checkpoints_and_abandons_a_save_only_a_dead_member_c
     from resilient_jax.elastic import worker as worker_lib
 
     class Checkpoints:
-        def __init__(self, close):
-            self._close, self.abandoned, self.closed = close, False, False
+        def __init__(self, wait):
+            self._wait, self.abandoned, self.committed, self.closed = wait, False, False, False
 
-        def close(self):
-            self._close()
+        def wait(self):
+            self._wait()
+            self.committed = True
+
+        def close(self):  # after the wait, or an abandon: at once
             self.closed = True
 
         def abandon(self):
@@ -188,16 +191,17 @@ def test_leaving_closes_the_checkpoints_and_abandons_a_save_only_a_dead_member_c
     started = time.perf_counter()
     if reason == "failure":
         worker_lib.Worker._close_checkpoints(worker, stuck)
-        assert stuck.abandoned and not stuck.closed
+        assert stuck.abandoned and not stuck.committed and stuck.closed
         assert time.perf_counter() - started < worker_lib.FAILED_SAVE_GRACE_SECONDS + 3
         assert "left generation 3 with its checkpoint save unfinished: abandoned" in caplog.text
         failed = Checkpoints(failing)
         worker_lib.Worker._close_checkpoints(worker, failed)
-        assert not failed.abandoned and "leaving the world: checkpoint save of step 20" in caplog.text
+        assert not failed.abandoned and failed.closed and "leaving the world: checkpoint save of step 20" in caplog.text
     else:
         slow = Checkpoints(lambda: time.sleep(worker_lib.FAILED_SAVE_GRACE_SECONDS + 0.5))
+        slow.close = lambda: (slow.wait(), setattr(slow, "closed", True))  # a close waits for the commit
         worker_lib.Worker._close_checkpoints(worker, slow)
-        assert slow.closed and not slow.abandoned  # every member alive: it commits
+        assert slow.committed and slow.closed and not slow.abandoned  # every member alive: it commits
 
 
 def test_a_later_world_restores_from_the_invocations_resume_when_the_run_writes_no_checkpoints():

@@ -89,9 +89,27 @@ def test_orbax_operation_ids_are_numbered_per_world():
 
     generator = synchronization.OperationIdGenerator
     generator.next_operation_id()
-    world.number_orbax_operations(3)
-    assert generator.get_current_operation_id() == str(3 * world.ORBAX_OPERATIONS_PER_WORLD)
-    assert generator.next_operation_id() == 3 * world.ORBAX_OPERATIONS_PER_WORLD + 1
+    try:
+        world.number_orbax_operations(3)
+        assert generator.get_current_operation_id() == str(3 * world.ORBAX_OPERATIONS_PER_WORLD)
+        assert generator.next_operation_id() == 3 * world.ORBAX_OPERATIONS_PER_WORLD + 1
+    finally:
+        world.number_orbax_operations(0)  # as a process that never formed a world
+
+
+def test_orbax_temporary_path_class_names_each_worlds_directory():
+    """resilient_jax/checkpoint/store.py names each world's temporary step directories apart
+    (world_temporary_path): orbax must still find the final directory by cutting at its marker."""
+    from pathlib import Path
+
+    import orbax.checkpoint as ocp
+
+    from resilient_jax.checkpoint.store import world_temporary_path
+
+    cls = world_temporary_path(7)
+    tmp = cls.from_final(Path("/ckpt/60"))
+    assert tmp.get().name == "60.orbax-checkpoint-tmp-g7" and tmp.get_final() == Path("/ckpt/60")
+    assert ocp.path.atomicity.AtomicRenameTemporaryPath.from_temporary(tmp.get()).get_final() == Path("/ckpt/60")
 
 
 def test_jit_cache_size_used_by_the_no_recompile_test():

@@ -97,7 +97,8 @@ class CheckpointSession:
         self._multi = jax.process_count() > 1
         self.store: CheckpointStore | None = None
         if cfg.checkpoint.enabled:
-            self.store = CheckpointStore(self.root, async_save=cfg.checkpoint.async_save, keep=self.policy.keep)
+            self.store = CheckpointStore(self.root, async_save=cfg.checkpoint.async_save, keep=self.policy.keep,
+                                         generation=generation)
             self.stats.removed_temporary = [str(p) for p in self.store.removed_temporary]
         self.preemption = PreemptionWatch(interruptible=interruptible)
         self._last_saved: int | None = None
@@ -105,6 +106,10 @@ class CheckpointSession:
         # Called with the step once a save has started (written in the background when async): a
         # hook for fault injection at that moment (resilient_jax.elastic.injection).
         self.on_save: Callable[[int], None] | None = None
+        # How `finish` waits for the final checkpoint to commit: called with that wait. The elastic
+        # worker's runs it on a thread and ends it when a member of the world dies (its barriers go
+        # through the coordination service, which aborting the world's collectives does not end).
+        self.await_commit: Callable[[Callable[[], None]], None] = lambda wait: wait()
 
     # -- resume ------------------------------------------------------------------------------------
 
@@ -250,7 +255,14 @@ class CheckpointSession:
     def finish(self, step: int, state, position: DataPosition) -> None:
         """The final checkpoint (if not already saved at `step`), committed before returning."""
         self.save(step, state, position)
+        self.await_commit(self.wait)
         self.close()
+
+    def wait(self) -> None:
+        """Until the save in flight, if any, has committed (CheckpointStore.wait). Unlike `close` it
+        touches no signal handler, so any thread may call it."""
+        if self.store is not None:
+            self.store.wait()
 
     def abandon(self) -> None:
         """The world this session saves with has failed: see CheckpointStore.abandon."""

@@ -41,6 +41,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -190,6 +191,24 @@ def configure_array_writes() -> None:
     _configured_for = jax.process_count()
 
 
+def world_temporary_path(generation: int):
+    """Orbax's atomic-rename temporary path, named `<step>.orbax-checkpoint-tmp-g<generation>`.
+
+    A save abandoned with its failed world (abandon) may still have writer threads finishing
+    their files; with orbax's fixed name they would write into the next world's save of the same
+    step -- the final checkpoint, re-saved by the survivors -- after its commit. Each world writes
+    its own directory; the rename to `<step>` is orbax's (it cuts the name at the marker)."""
+    base = ocp.path.atomicity.AtomicRenameTemporaryPath
+
+    class WorldTemporaryPath(base):
+        @classmethod
+        def from_final(cls, final_path, **kwargs):
+            name = f"{final_path.name}{ocp.path.atomicity.TMP_DIR_SUFFIX}-g{generation}"
+            return cls(final_path.parent / name, final_path, **kwargs)
+
+    return WorldTemporaryPath
+
+
 def check_writable(root: Path) -> None:
     """Fails early (and by name) when the checkpoint directory cannot be written."""
     try:
@@ -212,15 +231,17 @@ def remove_temporary(root: Path) -> list[Path]:
 
 class CheckpointStore:
     def __init__(self, root: str | Path, *, async_save: bool = True,
-                 keep: Callable[[Sequence[int]], set[int]] | None = None):
+                 keep: Callable[[Sequence[int]], set[int]] | None = None, generation: int = 0):
+        """`generation`: the elastic world this store saves with (names its temporary directories)."""
         self.root = Path(root)
         check_writable(self.root)
+        self._primary = jax.process_index() == 0  # read now: after an abandon, it is another world's
         foreign = reader.foreign_dirs(self.root)
         if foreign:  # orbax would take it for a step: list it, and in time delete it
             raise CheckpointError(self.root, "checkpoint.dir", f"holds {foreign[0].name}/, a numbered directory that "
                                   "no checkpoint save wrote; checkpoints need a directory of their own: move it "
                                   "away, or set checkpoint.dir to another directory")
-        if jax.process_index() == 0:
+        if self._primary:
             # Orbax can also do this (cleanup_tmp_directories) but in the background; doing it here
             # means a store that opened has no leftovers, which the kill tests check.
             self.removed_temporary = remove_temporary(self.root)
@@ -250,6 +271,7 @@ class CheckpointStore:
             preservation_policy=(_Retention(keep, self.root, lambda: self._pending_step) if keep is not None
                                  else None),
             save_root_metadata=False,
+            temporary_path_class=world_temporary_path(generation),
         )
         self._manager = _CommittingManager(self.root, options=options, item_handlers=handlers)
         self._pending_step: int | None = None
@@ -258,6 +280,7 @@ class CheckpointStore:
         self._saver = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint-save")
         self._starting: concurrent.futures.Future | None = None
         self._abandoned = False
+        self._abandon_lock = threading.Lock()  # an abandon and a failed save's cleanup exclude each other
 
     # -- listing ------------------------------------------------------------------------------------
 
@@ -280,6 +303,9 @@ class CheckpointStore:
         copies of a small state), so it must only read values fixed when `save` was called."""
         if not callable(context):
             _check_context(context)
+        if self._abandoned:
+            raise CheckpointSaveError(f"checkpoint save of step {step} to {self.root}: this store was abandoned "
+                                      "with its world (a member died)")
         self._await_started()
         self._raise_failed_save()
         self._pending_step = step
@@ -313,7 +339,8 @@ class CheckpointStore:
         touches the directory -- not even to remove the save's temporary directory, which the
         next store opened on it removes (a late removal from here could hit that store's save of
         the same step). Thread-safe: another thread may be inside `wait` or `close`."""
-        self._abandoned = True
+        with self._abandon_lock:
+            self._abandoned = True
 
     def wait(self) -> None:
         """Blocks until the last save committed; raises CheckpointSaveError if it failed."""
@@ -353,17 +380,22 @@ class CheckpointStore:
     def _fail(self, step: int | None, error: BaseException) -> None:
         # The first failing item ends the save, but other items' writes may still be running and
         # would recreate the temporary directory after we removed it: let them finish first.
+        abandoned = CheckpointSaveError(f"checkpoint save of step {step} to {self.root} was abandoned: a member of "
+                                        f"its world died ({orbax_errors.first_line(error)})")
         if not self._abandoned:
             orbax_errors.join_background_writes()
         if self._abandoned:  # then or meanwhile: leave the directory to the next store
             self._pending_step = None
-            raise CheckpointSaveError(f"checkpoint save of step {step} to {self.root} was abandoned: a member of "
-                                      f"its world died ({orbax_errors.first_line(error)})") from error
+            raise abandoned from error
         # Orbax raises a failed background commit once per thread that waits for it: let the saver
         # thread take it now, or it would come back as the next save's failure.
         self._saver.submit(self._take_failure).result()
-        if jax.process_index() == 0:
-            remove_temporary(self.root)
+        with self._abandon_lock:  # not after an abandon: the next store may be saving into the root
+            if self._abandoned:
+                self._pending_step = None
+                raise abandoned from error
+            if self._primary:
+                remove_temporary(self.root)
         self._manager.reload()  # orbax listed the step it renamed; it is gone again
         committed = self.steps()
         intact = (f"the newest committed checkpoint, step {committed[-1]}, is intact" if committed

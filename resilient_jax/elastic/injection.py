@@ -2,12 +2,13 @@
 
 Test and drill machinery, kept apart from the worker's logic: the worker calls one hook at each
 point where a fault may land -- before a step (`before_step`, which also fires a kill waiting
-for the background compile of the next worlds), once it has joined a world
-(`joined`), as a world moves state to its members (`adopting`), and after a checkpoint save has
-started (`saving`) -- and this class decides whether a fault of this host fires there. A fault is
-announced to the controller first (its timings count from that moment), then fired: kills and
-hangs inside a step from a timer so that they land in the step's collectives; kills at a moment
-at once, so that the peers meet the death exactly there; delays as a wait before the step.
+for the background compile of the next worlds), once it has joined a world (`joined`), as a
+world moves state to its members (`adopting`), after a checkpoint save has started (`saving`),
+and as rank 0 reports the run's end (`reporting`) -- and this class decides whether a fault of
+this host fires there. A fault is announced to the controller first (its timings count from that
+moment), then fired: kills and hangs inside a step from a timer so that they land in the step's
+collectives; kills at a moment at once, so that the peers meet the death exactly there; delays
+as a wait before the step.
 """
 
 from __future__ import annotations
@@ -94,6 +95,10 @@ class HostFaults:
                                                           for p in reader.temporary_dirs(root)):
                 time.sleep(0.005)
         self._at("save", step, step)
+
+    def reporting(self, step: int) -> None:
+        """This host, rank 0 of the final world, is about to report the run's end after `step` steps."""
+        self._at("report", step, step)
 
     def _at(self, moment: str, number: int, step: int) -> None:
         for fault in [f for f in self.at_moment if f.moment == moment and f.step == number]:

@@ -68,6 +68,9 @@ STOP_REASONS = (None, "interrupted", "preempted", "stop_at")
 # whose orbax threads wait on a dead member is abandoned after it (a failed world's save can
 # never commit: every member writes its part).
 FAILED_SAVE_GRACE_SECONDS = 1
+# A save that failed because a member died may fail before the controller's verdict names the
+# death: how long past runtime.dead_after_seconds to wait for it before reporting the failure.
+VERDICT_MARGIN_SECONDS = 2
 BAD_INPUT_EXIT = 2  # as `python -m resilient_jax.train`: a mistake of the caller's, said in one line
 
 
@@ -455,6 +458,7 @@ class Worker:
         self.invocation = invocation if isinstance(invocation, str) and re.fullmatch("[0-9a-f]{16}", invocation) else None
         self._last_progress: tuple[int, float] | None = None  # (step, perf_counter) of the last progress line
         self._unstuck: threading.Thread | None = None  # a checkpoint wait a verdict left running (_unless_aborted)
+        self._finishing = False  # this world has run its last step and is ending the run (_finish)
 
     def run(self) -> int:
         """The state machine's loop (resilient_jax.elastic.lifecycle): wait for a world, live in it
@@ -793,13 +797,14 @@ class Worker:
             ckpt.close()
             return
         if stuck is None:
-            stuck = threading.Thread(target=_close_quietly, args=(ckpt,), name="checkpoint-close", daemon=True)
+            stuck = threading.Thread(target=_wait_quietly, args=(ckpt,), name="checkpoint-wait", daemon=True)
             stuck.start()
         stuck.join(FAILED_SAVE_GRACE_SECONDS)
         if stuck.is_alive():
             ckpt.abandon()
             log.warning("left generation %d with its checkpoint save unfinished: abandoned (the next world "
                         "removes what it wrote)", self.generation)
+        _close_quietly(ckpt)  # here, on the main thread: it restores signal handlers
 
     def _commit_before_leaving(self, ckpt) -> None:
         """A planned change (a join, a drain, a reslot: every member alive, all leaving at this
@@ -810,7 +815,8 @@ class Worker:
         from resilient_jax.checkpoint.store import CheckpointSaveError
 
         try:
-            self._unstuck = self._unless_aborted(ckpt.close, "checkpoint-commit-before-leaving")
+            # The wait, not the close: closing restores signal handlers, which only the main thread may.
+            self._unstuck = self._unless_aborted(ckpt.wait, "checkpoint-commit-before-leaving")
         except CheckpointSaveError as e:  # one line, already naming the step
             log.warning("leaving the world: %s", e)
             return
@@ -840,11 +846,18 @@ class Worker:
         thread = threading.Thread(target=run, name=name, daemon=True)
         thread.start()
         while not done.wait(0.05):
-            if self.coordinator_port is None:
+            if self.coordinator_port is None and not done.is_set():
                 return thread
         if raised:
             raise raised[0]
         return None
+
+    def _verdict_within(self, seconds: float) -> bool:
+        """Whether the controller's verdict that a member of this world died comes within `seconds`."""
+        deadline = time.monotonic() + seconds
+        while self.coordinator_port is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.coordinator_port is None
 
     def _steps(self, trainer, loop, state, step: int) -> tuple[Event, str]:
         """Run steps until the run ends or this world must be left; the event that ends the
@@ -856,6 +869,7 @@ class Worker:
         from resilient_jax.trainer import StepLoop
 
         first = True
+        self._finishing = False
         clock = self.heartbeat.clock
         total = self.cfg.train.steps
         shares = ShareKeeper.start(trainer, step)
@@ -919,7 +933,7 @@ class Worker:
             clock.started_at = None
             # compute() never donates: `state` is still the state after step `step`, on our devices.
             self._keep(self._to_host(state), loop)
-            where = f"step {step + 1}" if step < total else "the final checkpoint"
+            where = "the run's end" if self._finishing else f"step {step + 1}"
             return Event.STEP_FAILED, f"{where} in generation {self.generation}: {str(e).splitlines()[0][:200]}"
 
     def _reassigned(self, decision, loop, step: int, *, started: float) -> None:
@@ -947,19 +961,56 @@ class Worker:
         # The last checkpoint commits across the world, through the coordination service: a member
         # dying meanwhile fails this world like a step that failed (the survivors form the next
         # one, which has no step left to run and commits the checkpoint of the same step).
-        self._unstuck = self._unless_aborted(lambda: loop.finish(state, step, stopped=stopped),
-                                             "final-checkpoint")
-        if self._unstuck is not None:
-            raise world_lib.WorldAborted(f"a member of generation {self.generation} died while the checkpoint of "
-                                         f"step {step} committed")
+        self._finishing = True
+
+        from resilient_jax.checkpoint.store import CheckpointSaveError
+
+        def commit_unless_aborted(wait) -> None:
+            died = world_lib.WorldAborted(f"a member of generation {self.generation} died while the checkpoint of "
+                                          f"step {step} committed")
+            try:
+                self._unstuck = self._unless_aborted(wait, "final-checkpoint")
+            except CheckpointSaveError as e:
+                # A member's death can fail the save before the verdict names it (a barrier of the
+                # dead task cancelled): wait for the verdict before calling it the user's error.
+                if self._verdict_within(self.cfg.runtime.dead_after_seconds + VERDICT_MARGIN_SECONDS):
+                    raise died from e
+                raise  # a full disk, a permission: one line, as in a single-process run
+            if self._unstuck is not None:
+                raise died
+
+        if loop.ckpt is not None:
+            loop.ckpt.await_commit = commit_unless_aborted
+        loop.finish(state, step, stopped=stopped)
         summary = trainer.summarize(state, self.totals, time.perf_counter() - self.started, loop.data_position())
         summary.update(final_step=step, stopped=stopped, state_seconds=self.life.totals())
         if stopped:
             log.info("stopped (%s) at step %d with a checkpoint", stopped, step)
         if jax.process_index() == 0:
+            self.faults.reporting(step)
             self.client.call("/done", retry_seconds=30, host=self.host, summary=summary,
                              reassignments=self.heartbeat.take_reassignments(), evals=self.heartbeat.take_evals())
+        elif self._unless_aborted(self._await_run_reported, "run-end") is not None:
+            # Rank 0 died before reporting the run's end. Had this host exited, the controller would
+            # wait for members that are gone and fail a run whose final checkpoint is committed;
+            # instead the survivors, holding the final state, form a world that reports it.
+            raise world_lib.WorldAborted(f"a member of generation {self.generation} died before the run's end "
+                                         "was reported")
         return (Event.STOPPED, f"{stopped} at step {step}") if stopped else (Event.FINISHED, f"step {step}")
+
+    def _await_run_reported(self) -> None:
+        """Returns once the controller holds rank 0's summary, or the run is over otherwise."""
+        from resilient_jax.elastic.channel import ControllerUnreachable
+
+        while True:
+            try:
+                status = self.client.call("/status", method="GET", retry_seconds=60)
+            except ControllerUnreachable as e:
+                log.warning("the controller is gone before the run's end was reported: %s", e)
+                return
+            if status["finished"] or status["error"]:
+                return
+            time.sleep(0.1)
 
     def _on_eval(self, record) -> None:
         """An evaluation this world's loop ran: to the controller with the next heartbeat, and out
@@ -1012,11 +1063,15 @@ class Worker:
         return self.metrics
 
 
-def _close_quietly(ckpt) -> None:
+def _wait_quietly(ckpt) -> None:
+    _close_quietly(ckpt, ckpt.wait)
+
+
+def _close_quietly(ckpt, how=None) -> None:
     from resilient_jax.checkpoint.store import CheckpointSaveError
 
     try:
-        ckpt.close()
+        (how or ckpt.close)()
     except CheckpointSaveError as e:  # the failed world's save: one line, naming the step
         log.warning("leaving the world: %s", e)
 
