@@ -203,17 +203,17 @@ def test_failed_commit_write_leaves_no_listed_step(tmp_path, monkeypatch):
     store = CheckpointStore(root, async_save=True)
     store.save(1, _device_state(1), _context(1))
     store.wait()
-    original = commit.write
+    original = commit.write_built
 
-    def full_disk(step_dir, step, process, count):
+    def full_disk(step_dir, process, doc):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(commit.commit_file(step_dir, process)))
 
-    monkeypatch.setattr(commit, "write", full_disk)
+    monkeypatch.setattr(commit, "write_built", full_disk)
     with pytest.raises(CheckpointSaveError, match="save of step 2 .* no space left on device; the newest "
                                                   "committed checkpoint, step 1, is intact"):
         store.save(2, _device_state(2), _context(2))
         store.wait()
-    monkeypatch.setattr(commit, "write", original)
+    monkeypatch.setattr(commit, "write_built", original)
     assert reader.list_steps(root) == [1] and not (root / "2").exists()
     store.save(3, _device_state(3), _context(3))
     store.close()

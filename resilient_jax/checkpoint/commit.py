@@ -104,7 +104,11 @@ def build(step_dir: Path, step: int, process: int, process_count: int) -> dict[s
 
 def write(step_dir: Path, step: int, process: int, process_count: int) -> Path:
     """Hashes this process's files and commits them: temporary name, fsync, rename, fsync the dir."""
-    doc = build(step_dir, step, process, process_count)
+    return write_built(step_dir, process, build(step_dir, step, process, process_count))
+
+
+def write_built(step_dir: Path, process: int, doc: dict[str, Any]) -> Path:
+    """Commits `doc` (build's) as this process's commit file: temporary name, fsync, rename, fsync the dir."""
     target = commit_file(step_dir, process)
     target.parent.mkdir(exist_ok=True)
     tmp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex[:8]}")

@@ -106,10 +106,11 @@ class CheckpointSession:
         # Called with the step once a save has started (written in the background when async): a
         # hook for fault injection at that moment (resilient_jax.elastic.injection).
         self.on_save: Callable[[int], None] | None = None
-        # How `finish` waits for the final checkpoint to commit: called with that wait. The elastic
-        # worker's runs it on a thread and ends it when a member of the world dies (its barriers go
-        # through the coordination service, which aborting the world's collectives does not end).
-        self.await_commit: Callable[[Callable[[], None]], None] = lambda wait: wait()
+        # How `finish` runs the final save up to its commit: called with a function that does it.
+        # The elastic worker's runs it on a thread and stops waiting when a member of the world dies
+        # (a save's barriers go through the coordination service, which aborting the world's
+        # collectives does not end; a synchronous save has them all in the save call).
+        self.await_commit: Callable[[Callable[[], None]], None] = lambda save_and_wait: save_and_wait()
 
     # -- resume ------------------------------------------------------------------------------------
 
@@ -254,8 +255,11 @@ class CheckpointSession:
 
     def finish(self, step: int, state, position: DataPosition) -> None:
         """The final checkpoint (if not already saved at `step`), committed before returning."""
-        self.save(step, state, position)
-        self.await_commit(self.wait)
+        def save_and_wait() -> None:  # no signal handler in here: any thread may run it
+            self.save(step, state, position)
+            self.wait()
+
+        self.await_commit(save_and_wait)
         self.close()
 
     def wait(self) -> None:

@@ -78,14 +78,19 @@ class _CommittingManager(ocp.CheckpointManager):
     place (its finalize runs once the rename is visible to every process) and before retention
     deletes old steps, this process hashes its files and writes its commit file."""
 
-    def __init__(self, directory, **kwargs):
+    def __init__(self, directory, *, process: int, process_count: int,
+                 unless_abandoned: Callable[[Callable[[], None]], None], **kwargs):
+        """`process`, `process_count`: this world's, read when the store opened (a save abandoned
+        with its world may still be finalizing when the next world has begun). `unless_abandoned(f)`:
+        runs `f` unless the store was abandoned, excluding an abandon meanwhile."""
+        self._process, self._process_count, self._unless_abandoned = process, process_count, unless_abandoned
         super().__init__(directory, **kwargs)
         # A private attribute of orbax's CheckpointManager (0.12.8): fail loudly if it moves.
         inner = getattr(self, "_checkpoint_deleter", None)
         if inner is None or not hasattr(inner, "delete"):
             raise RuntimeError("orbax.checkpoint.CheckpointManager has no _checkpoint_deleter any more: "
                                "resilient_jax.checkpoint.store._UncommitFirst must follow it")
-        self._checkpoint_deleter = _UncommitFirst(inner, Path(directory))
+        self._checkpoint_deleter = _UncommitFirst(inner, Path(directory), primary=process == 0)
 
     def reached_preemption(self, step: int) -> bool:
         # Preemption is ours to handle (preemption.PreemptionWatch, on the training thread, at every
@@ -98,7 +103,10 @@ class _CommittingManager(ocp.CheckpointManager):
         super()._finalize_checkpoint(step)
         self.check_for_errors()  # a failed item must not be committed (orbax only logs it here)
         step_dir = Path(self.directory) / str(step)
-        commit.write(step_dir, step, jax.process_index(), jax.process_count())
+        # Hashing may take minutes on a large state; the commit file is written only if no abandon
+        # came meanwhile: the next world may be saving the same step into this directory by then.
+        doc = commit.build(step_dir, step, self._process, self._process_count)
+        self._unless_abandoned(lambda: commit.write_built(step_dir, self._process, doc))
 
 
 class _UncommitFirst:
@@ -109,11 +117,11 @@ class _UncommitFirst:
     metadata -- listed, and failing verify. Now such a leftover is uncommitted, and the next store
     removes it on open like any other."""
 
-    def __init__(self, inner, root: Path):
-        self._inner, self._root = inner, root
+    def __init__(self, inner, root: Path, *, primary: bool):
+        self._inner, self._root, self._primary = inner, root, primary
 
     def delete(self, step: int) -> None:
-        if jax.process_index() == 0:  # orbax deletes on its primary host, process 0
+        if self._primary:  # orbax deletes on its primary host, process 0
             commit.commit_file(self._root / str(step), 0).unlink(missing_ok=True)
         self._inner.delete(step)
 
@@ -273,7 +281,9 @@ class CheckpointStore:
             save_root_metadata=False,
             temporary_path_class=world_temporary_path(generation),
         )
-        self._manager = _CommittingManager(self.root, options=options, item_handlers=handlers)
+        self._manager = _CommittingManager(self.root, process=jax.process_index(), process_count=jax.process_count(),
+                                           unless_abandoned=self._unless_abandoned, options=options,
+                                           item_handlers=handlers)
         self._pending_step: int | None = None
         self._async = async_save
         # Orbax's save call (see the module docstring), one at a time, in the order of `save`.
@@ -338,9 +348,15 @@ class CheckpointStore:
         until orbax's own timeout (300 s). From now on nothing of this store waits for them or
         touches the directory -- not even to remove the save's temporary directory, which the
         next store opened on it removes (a late removal from here could hit that store's save of
-        the same step). Thread-safe: another thread may be inside `wait` or `close`."""
+        the same step). Thread-safe: another thread may be inside `wait` or `close`; it waits for a
+        failed save's cleanup or a commit file's write in progress (milliseconds) to end."""
         with self._abandon_lock:
             self._abandoned = True
+
+    def _unless_abandoned(self, work: Callable[[], None]) -> None:
+        with self._abandon_lock:
+            if not self._abandoned:
+                work()
 
     def wait(self) -> None:
         """Blocks until the last save committed; raises CheckpointSaveError if it failed."""

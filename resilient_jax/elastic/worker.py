@@ -29,6 +29,12 @@ all-gather carries every member's timings of the step, from which every member p
 step's shard assignment alike (`ShareKeeper`, resilient_jax.assignment): shards move between the
 members of a world at any step boundary, without a re-formation and without changing a bit.
 
+The run ends the same way: the final checkpoint commits across the world (its barriers go through
+the coordination service, so the wait for it ends at the controller's verdict too), rank 0 reports
+the summary, and the other members exit only once the controller holds it. A member dying at any
+of these moments fails the world like a failed step; the survivors form one with no step left to
+run, which commits the checkpoint (or finds it committed) and reports the end.
+
 Step numbers sent to the controller follow the run's convention: step k is the update that
 brings the run to k completed steps (the loop's index k-1).
 
@@ -972,8 +978,11 @@ class Worker:
                 self._unstuck = self._unless_aborted(wait, "final-checkpoint")
             except CheckpointSaveError as e:
                 # A member's death can fail the save before the verdict names it (a barrier of the
-                # dead task cancelled): wait for the verdict before calling it the user's error.
-                if self._verdict_within(self.cfg.runtime.dead_after_seconds + VERDICT_MARGIN_SECONDS):
+                # dead task cancelled): wait for the verdict -- it comes with a heartbeat's reply --
+                # before calling it the user's error. A world of one has no member to lose.
+                runtime = self.cfg.runtime
+                if len(self.members) > 1 and self._verdict_within(
+                        runtime.dead_after_seconds + runtime.heartbeat_seconds + VERDICT_MARGIN_SECONDS):
                     raise died from e
                 raise  # a full disk, a permission: one line, as in a single-process run
             if self._unstuck is not None:
@@ -1000,13 +1009,13 @@ class Worker:
 
     def _await_run_reported(self) -> None:
         """Returns once the controller holds rank 0's summary, or the run is over otherwise."""
-        from resilient_jax.elastic.channel import ControllerUnreachable
+        from resilient_jax.elastic.channel import ControllerError
 
         while True:
             try:
                 status = self.client.call("/status", method="GET", retry_seconds=60)
-            except ControllerUnreachable as e:
-                log.warning("the controller is gone before the run's end was reported: %s", e)
+            except ControllerError as e:  # unreachable, or an answer that is not a status
+                log.warning("no word from the controller before the run's end was reported: %s", e)
                 return
             if status["finished"] or status["error"]:
                 return
