@@ -304,3 +304,19 @@ def test_full_disk_stops_training_with_one_line(tmp_path):
         assert_intact(mount / "ckpt", 2)
     finally:
         _umount(mount)
+
+
+def test_a_failure_whose_chain_loops_back_is_still_classified():
+    """Orbax re-raises a stored failure inside the handler of an error chained from it: the chain
+    became a cycle, and the save's cleanup spun in is_disk_full forever (a CI run hung there)."""
+    import errno
+
+    from resilient_jax.checkpoint import orbax_errors
+
+    stored = RuntimeError("write failed")
+    ours = RuntimeError("checkpoint save failed")
+    ours.__cause__, stored.__context__ = stored, ours  # stored -> ours -> stored -> ...
+    assert orbax_errors.is_disk_full(stored) is False
+    full = OSError(errno.ENOSPC, "No space left on device")
+    ours.__context__, full.__cause__ = full, stored
+    assert orbax_errors.is_disk_full(full) is True

@@ -88,13 +88,15 @@ def test_orbax_operation_ids_are_numbered_per_world():
     from resilient_jax.elastic import world
 
     generator = synchronization.OperationIdGenerator
-    generator.next_operation_id()
+    before = generator._operation_id_counter, generator._operation_id
     try:
         world.number_orbax_operations(3)
         assert generator.get_current_operation_id() == str(3 * world.ORBAX_OPERATIONS_PER_WORLD)
         assert generator.next_operation_id() == 3 * world.ORBAX_OPERATIONS_PER_WORLD + 1
     finally:
-        world.number_orbax_operations(0)  # as a process that never formed a world
+        # Exactly as it was: a count set back to 0 would give later saves in this process the ids
+        # of earlier ones, whose signals orbax's in-process client still holds.
+        generator._operation_id_counter, generator._operation_id = before
 
 
 def test_orbax_temporary_path_class_names_each_worlds_directory():

@@ -96,7 +96,11 @@ def quiet_abandoned_async_errors() -> None:
 
 
 def is_disk_full(error: BaseException) -> bool:
-    while error is not None:
+    seen: set[int] = set()
+    # Each exception once: orbax re-raises a stored failure inside the handler of an error chained
+    # from it, and the chain becomes a cycle (seen: a save's cleanup spinning here forever).
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
         if isinstance(error, OSError) and error.errno == errno.ENOSPC:
             return True
         if "No space left on device" in str(error) or "ENOSPC" in str(error):

@@ -1011,6 +1011,7 @@ class Worker:
         """Returns once the controller holds rank 0's summary, or the run is over otherwise."""
         from resilient_jax.elastic.channel import ControllerError
 
+        pause = 0.05
         while True:
             try:
                 status = self.client.call("/status", method="GET", retry_seconds=60)
@@ -1019,7 +1020,10 @@ class Worker:
                 return
             if status["finished"] or status["error"]:
                 return
-            time.sleep(0.1)
+            # Rank 0 reports within a second or so on a small state; a large one's summary takes
+            # longer, and every member asks: back off to one request a second per member.
+            time.sleep(pause)
+            pause = min(2 * pause, 1.0)
 
     def _on_eval(self, record) -> None:
         """An evaluation this world's loop ran: to the controller with the next heartbeat, and out
