@@ -243,7 +243,8 @@ class CheckpointStore:
         """`generation`: the elastic world this store saves with (names its temporary directories)."""
         self.root = Path(root)
         check_writable(self.root)
-        self._primary = jax.process_index() == 0  # read now: after an abandon, it is another world's
+        process = jax.process_index()  # read now: after an abandon, it is another world's
+        self._primary = process == 0
         foreign = reader.foreign_dirs(self.root)
         if foreign:  # orbax would take it for a step: list it, and in time delete it
             raise CheckpointError(self.root, "checkpoint.dir", f"holds {foreign[0].name}/, a numbered directory that "
@@ -281,7 +282,7 @@ class CheckpointStore:
             save_root_metadata=False,
             temporary_path_class=world_temporary_path(generation),
         )
-        self._manager = _CommittingManager(self.root, process=jax.process_index(), process_count=jax.process_count(),
+        self._manager = _CommittingManager(self.root, process=process, process_count=jax.process_count(),
                                            unless_abandoned=self._unless_abandoned, options=options,
                                            item_handlers=handlers)
         self._pending_step: int | None = None

@@ -803,14 +803,14 @@ class Worker:
             ckpt.close()
             return
         if stuck is None:
-            stuck = threading.Thread(target=_wait_quietly, args=(ckpt,), name="checkpoint-wait", daemon=True)
+            stuck = threading.Thread(target=_quietly, args=(ckpt.wait,), name="checkpoint-wait", daemon=True)
             stuck.start()
         stuck.join(FAILED_SAVE_GRACE_SECONDS)
         if stuck.is_alive():
             ckpt.abandon()
             log.warning("left generation %d with its checkpoint save unfinished: abandoned (the next world "
                         "removes what it wrote)", self.generation)
-        _close_quietly(ckpt)  # here, on the main thread: it restores signal handlers
+        _quietly(ckpt.close)  # here, on the main thread: it restores signal handlers
 
     def _commit_before_leaving(self, ckpt) -> None:
         """A planned change (a join, a drain, a reslot: every member alive, all leaving at this
@@ -836,9 +836,9 @@ class Worker:
 
         For waits on the coordination service: an orbax save's barriers and commit go through it,
         and the verdict aborts the world's collectives, not those barriers -- a save in flight
-        when a member dies would hold this host until orbax's own timeout (minutes). The thread
-        ends when leaving the world shuts the coordination client down (its barrier then fails);
-        `_leave` joins it there, before the next world writes to the same checkpoint directory."""
+        when a member dies would hold this host until orbax's own timeout (minutes). A thread left
+        running is `_close_checkpoints`'s once the world is shut down: joined for a grace, else its
+        save abandoned."""
         done, raised = threading.Event(), []
 
         def run() -> None:
@@ -1076,15 +1076,12 @@ class Worker:
         return self.metrics
 
 
-def _wait_quietly(ckpt) -> None:
-    _close_quietly(ckpt, ckpt.wait)
-
-
-def _close_quietly(ckpt, how=None) -> None:
+def _quietly(call) -> None:
+    """`call()` (a checkpoint session's wait or close) with its save's failure as one warning."""
     from resilient_jax.checkpoint.store import CheckpointSaveError
 
     try:
-        (how or ckpt.close)()
+        call()
     except CheckpointSaveError as e:  # the failed world's save: one line, naming the step
         log.warning("leaving the world: %s", e)
 
