@@ -32,6 +32,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from resilient_jax import compile_cache
+
 if TYPE_CHECKING:
     import jax
 
@@ -44,6 +46,24 @@ def world_key(regions_by_rank: Sequence[str], devices_by_rank: Sequence[int]) ->
     """A folder name for the programs of a world: what its step depends on (elastic/next_worlds)."""
     blob = json.dumps([list(regions_by_rank), list(devices_by_rank)]).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
+
+
+AHEAD = "rank 0 exported ahead"  # elastic/precompile exported them for a world of this shape
+FOR_THIS_WORLD = "rank 0 exported for this world (one machine)"  # its rank 0 exports them as it forms
+
+
+def world_programs(has_programs: Sequence[bool], placements: Sequence[str], platform: str) -> str | None:
+    """Which exported programs a forming world calls, from what every member said (in rank order):
+    whether it holds loadable programs for this world, and its compile_cache.placement().
+
+    AHEAD where every member holds them. Else FOR_THIS_WORLD where the world shares one machine and
+    one cache (compile_cache.leader_compiles: rank 0 alone compiles there anyway): N members tracing
+    the same step side by side would cost N times the CPU on the same cores, so rank 0 traces and
+    exports, and the others wait for its programs. Else None: each member traces its own. The
+    same answer on every member, who all read the same words."""
+    if all(has_programs):
+        return AHEAD
+    return FOR_THIS_WORLD if compile_cache.leader_compiles(list(placements), platform) else None
 
 
 def export(jitted, args: Sequence[Any]) -> jax.export.Exported:

@@ -570,7 +570,6 @@ class Worker:
                               verified_dataset=self.verified_dataset, regions=regions,
                               verified_eval_dataset=self.verified_eval_dataset)
             trainer.compile_midrun = lambda lower, what: self._compile(lower, what, rank, len(members))
-            called_exported = self._use_exported(trainer, world, members)
             self.verified_dataset = trainer.manifest
             self.verified_eval_dataset = trainer.evalset.manifest if trainer.evalset else None
             ckpt = trainer.checkpoints(generation=self.generation, regions=regions)
@@ -593,7 +592,13 @@ class Worker:
                 position = _position_from_dict(world["data_position"])
                 ready = f"step {start}"
             self.life.fire(Event.STATE_READY, ready)
-            compiled = self._compile(lambda: trainer.lowered(state), "step", rank, len(members))
+            called_exported = []
+
+            def lower():  # the export, where rank 0 exports for this world, is part of its compile
+                called_exported.append(self._use_exported(trainer, world, members))
+                return trainer.lowered(state)
+
+            compiled = self._compile(lower, "step", rank, len(members))
             self.totals.compile_seconds += compiled.seconds
             log.info("generation %d: compiled the step in %.2f s (%s); gradient sum %s", self.generation,
                      compiled.seconds, compiled.describe(), trainer.reduction_order())
@@ -607,7 +612,7 @@ class Worker:
             self._leave(ckpt)
             return
         self.life.fire(Event.COMPILED, f"{compiled.seconds:.2f} s, {compiled.describe()}"
-                       + (", calling the step rank 0 exported" if called_exported else ""))
+                       + (f", calling the step {called_exported[0]}" if called_exported[0] else ""))
         if rank == 0:
             self._start_precompile(world, members)
         metrics = self._metrics(trainer, start)
@@ -626,41 +631,80 @@ class Worker:
 
         return None if self.invocation is None else exported.folder(self.cfg.run.dir, self.invocation)
 
-    def _use_exported(self, trainer, world: dict, members: list[str]) -> bool:
-        """Call this world's step through the programs rank 0 exported for a world of its shape
-        (elastic/precompile), if every member can: no tracing of the model here, and the programs
-        it compiled are in the cache. All or none: programs lowered apart may differ, and the
-        members of one world must run one program. Where any member lacks them (another
-        machine's run.dir, a world nobody foresaw) every member traces its own, as always."""
+    def _use_exported(self, trainer, world: dict, members: list[str]) -> str | None:
+        """Call this world's step through exported programs (resilient_jax.exported) where every
+        member can, so that the members do not each trace the model (`exported.world_programs`):
+        those rank 0 exported ahead for a world of this shape (elastic/precompile), whose compiled
+        form is in the cache, or, on one machine, those its rank 0 exports now (`_share_export`).
+        All or none: programs lowered apart may differ, and the members of one world must run one
+        program. Where any member lacks them (another machine's run.dir, a world nobody foresaw on
+        machines of their own) every member traces its own, as always. Returns which programs are
+        called, or None."""
         import jax
 
         from resilient_jax import exported
-        from resilient_jax.elastic import precompile
         from resilient_jax.elastic import world as world_lib
 
         folder = self._exported_dir()
-        # Where no rank 0 of this invocation exports (the setting, the platform: the same for every
-        # member), every member skips the agreement below alike: no exchange in a world formation.
-        # Not this host's own cache_on: a host whose cache is off must still take part in it.
-        if folder is None or not precompile.wanted(self.cfg.runtime.precompile_next_worlds,
-                                                   jax.devices()[0].platform, cache_on=True):
-            return False
-        key = exported.world_key([world["regions"][h] for h in members],
-                                 [world["devices_per_host"][h] for h in members])
-        programs = exported.load(folder / key)
-        calls = None
-        if programs is not None:
-            try:
-                calls = trainer.exported_calls(programs)
-            except (KeyError, ValueError) as e:  # not this world's programs after all
-                log.warning("generation %d: the exported programs do not fit this world (%s)", self.generation, e)
-        rank = members.index(self.host)
-        if not world_lib.all_agree(f"exported-{self.generation}", rank, len(members), calls is not None,
-                                   aborted=lambda: self.coordinator_port is None):
-            return False
+        if folder is None:  # the same for every member: the controller names the invocation
+            return None
+        folder = folder / exported.world_key([world["regions"][h] for h in members],
+                                             [world["devices_per_host"][h] for h in members])
+        calls = self._exported_calls(trainer, folder)
+        rank, size = members.index(self.host), len(members)
+        aborted = lambda: self.coordinator_port is None  # noqa: E731 -- the controller's verdict
+        words = [json.loads(w) for w in world_lib.exchange(
+            f"exported-{self.generation}", rank, size, json.dumps([compile_cache.placement(), calls is not None]),
+            aborted=aborted)]
+        which = exported.world_programs([ready for _, ready in words], [placement for placement, _ in words],
+                                        jax.devices()[0].platform)
+        if which == exported.FOR_THIS_WORLD:
+            calls = self._share_export(trainer, folder, rank, aborted)
+            if not world_lib.all_agree(f"exported-shared-{self.generation}", rank, size, calls is not None,
+                                       aborted=aborted):
+                return None
+        elif which is None:
+            return None
         trainer.use_exported(calls)
-        log.info("generation %d: calling the step rank 0 exported for a world of this shape", self.generation)
-        return True
+        log.info("generation %d: calling the step %s", self.generation, which)
+        return which
+
+    def _exported_calls(self, trainer, folder) -> dict | None:
+        """The programs in `folder` as `trainer`'s calls, or None where there are none that fit."""
+        from resilient_jax import exported
+
+        programs = exported.load(folder)
+        if programs is None:
+            return None
+        try:
+            return trainer.exported_calls(programs)
+        except (KeyError, ValueError) as e:  # not this world's programs after all
+            log.warning("generation %d: the exported programs do not fit this world (%s)", self.generation, e)
+            return None
+
+    def _share_export(self, trainer, folder, rank: int, aborted) -> dict | None:
+        """Rank 0 exports this world's programs into `folder` and says so; the other members wait
+        for its word and load them. None where that failed here (a program jax.export refuses, a
+        full disk, rank 0 not done within LEADER_EXPORT_WAIT_SECONDS): the caller then traces."""
+        import shutil
+
+        from resilient_jax import exported
+        from resilient_jax.elastic import world as world_lib
+
+        name = f"exported-{self.generation}/shared"
+        if rank != 0:
+            word = world_lib.read_word(name, 0, timeout_seconds=world_lib.LEADER_EXPORT_WAIT_SECONDS, aborted=aborted)
+            return self._exported_calls(trainer, folder) if word == "1" else None
+        try:
+            exported.save(folder, trainer.export_programs())
+            calls = self._exported_calls(trainer, folder)
+        except Exception as e:  # an optimisation: never a reason for the world to fail
+            log.warning("generation %d: this world's step could not be exported (%s: %s); each member traces "
+                        "its own", self.generation, type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+            shutil.rmtree(folder, ignore_errors=True)
+            calls = None
+        world_lib.publish(name, 0, "1" if calls is not None else "0")
+        return calls
 
     def _adopt(self, trainer, world: dict):
         """The state after world["resume_step"], on this world's devices."""
