@@ -108,6 +108,10 @@ def test_deaths_while_checkpoints_commit_and_as_the_end_is_reported_are_absorbed
     assert re.search(r"TRAINING -> LEAVING on STEP_FAILED after [0-9.]+ s: the run's end in generation 2: a member "
                      r"of generation 2 died before the run's end was reported", log)
     assert "timed out" not in log and "DEADLINE_EXCEEDED" not in log
+    # Those two worlds compiled no step: they had none left to run.
+    assert log.count("COMPILING -> TRAINING on COMPILED after") == 4  # generations 0 to 3
+    assert len(re.findall(rf"on COMPILED after [0-9.]+ s: nothing: no step left to run after step {STEPS}\n", log)) == 2
+    assert log.count("compiled the step in") == 2  # generations 0 and 1
     # Checkpoints written after the faults carry the topology of the world that wrote them.
     context = reader.read_context(tmp_path / "checkpoints" / "50")
     assert context["topology"]["generation"] == 1 and context["topology"]["process_count"] == 3

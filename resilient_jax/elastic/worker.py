@@ -33,7 +33,7 @@ The run ends the same way: the final checkpoint commits across the world (its ba
 the coordination service, so the wait for it ends at the controller's verdict too), rank 0 reports
 the summary, and the other members exit only once the controller holds it. A member dying at any
 of these moments fails the world like a failed step; the survivors form one with no step left to
-run, which commits the checkpoint (or finds it committed) and reports the end.
+run, which compiles no step, commits the checkpoint (or finds it committed) and reports the end.
 
 Step numbers sent to the controller follow the run's convention: step k is the update that
 brings the run to k completed steps (the loop's index k-1).
@@ -592,32 +592,39 @@ class Worker:
                 position = _position_from_dict(world["data_position"])
                 ready = f"step {start}"
             self.life.fire(Event.STATE_READY, ready)
-            called_exported = []
+            compiled, called_exported = None, []
+            # A world with no step left to run (the last world's member died as it ended the run, or
+            # a rerun of a finished run) only commits the final checkpoint and reports: compiling
+            # its step -- minutes at scale -- would hold the survivors for nothing.
+            if start < StepLoop.end_of(self.cfg.train.steps, self.stop_at):
+                def lower():  # the export, where rank 0 exports for this world, is part of its compile
+                    called_exported.append(self._use_exported(trainer, world, members))
+                    return trainer.lowered(state)
 
-            def lower():  # the export, where rank 0 exports for this world, is part of its compile
-                called_exported.append(self._use_exported(trainer, world, members))
-                return trainer.lowered(state)
-
-            compiled = self._compile(lower, "step", rank, len(members))
-            self.totals.compile_seconds += compiled.seconds
-            log.info("generation %d: compiled the step in %.2f s (%s); gradient sum %s", self.generation,
-                     compiled.seconds, compiled.describe(), trainer.reduction_order())
-            # The controller's verdict (abort() clears coordinator_port) ends the wait at once.
-            world_lib.barrier(f"compiled-{self.generation}", timeout_seconds=300,
-                              aborted=lambda: self.coordinator_port is None)
+                compiled = self._compile(lower, "step", rank, len(members))
+                self.totals.compile_seconds += compiled.seconds
+                log.info("generation %d: compiled the step in %.2f s (%s); gradient sum %s", self.generation,
+                         compiled.seconds, compiled.describe(), trainer.reduction_order())
+                # The controller's verdict (abort() clears coordinator_port) ends the wait at once.
+                world_lib.barrier(f"compiled-{self.generation}", timeout_seconds=300,
+                                  aborted=lambda: self.coordinator_port is None)
         except (jax.errors.JaxRuntimeError, world_lib.WorldAborted, world_lib.BarrierTimeout) as e:
             # A member died while this world was forming (the adoption broadcast or the barrier
             # failed): what this host kept from the last world is unchanged; ask for the next one.
             self.life.fire(Event.FAILED, f"forming generation {self.generation}: {str(e).splitlines()[0][:200]}")
             self._leave(ckpt)
             return
-        self.life.fire(Event.COMPILED, f"{compiled.seconds:.2f} s, {compiled.describe()}"
-                       + (f", calling the step {called_exported[0]}" if called_exported[0] else ""))
-        if rank == 0:
-            self._start_precompile(world, members)
+        if compiled is None:
+            self.life.fire(Event.COMPILED, f"nothing: no step left to run after step {start}")
+        else:
+            self.life.fire(Event.COMPILED, f"{compiled.seconds:.2f} s, {compiled.describe()}"
+                           + (f", calling the step {called_exported[0]}" if called_exported[0] else ""))
+            if rank == 0:
+                self._start_precompile(world, members)
         metrics = self._metrics(trainer, start)
-        metrics.event({"event": "compile", "step": start, "generation": self.generation, **compiled.to_event(),
-                       "reduction_order": trainer.reduction_order()})
+        if compiled is not None:
+            metrics.event({"event": "compile", "step": start, "generation": self.generation, **compiled.to_event(),
+                           "reduction_order": trainer.reduction_order()})
         loop = StepLoop(trainer, metrics, self.totals, ckpt, start_step=start, position=position)
         try:
             event, reason = self._steps(trainer, loop, state, start)
