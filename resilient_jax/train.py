@@ -111,6 +111,9 @@ def _run(args: argparse.Namespace) -> int:
     cfg = build_config(args)
     if args.stop_at is not None and args.stop_at < 1:
         raise ConfigError(f"--stop-at {args.stop_at}: must be >= 1 (the number of steps after which to stop)")
+    if args.stop_at is not None and args.stop_at > cfg.train.steps:
+        raise ConfigError(f"--stop-at {args.stop_at}: past the run's end (train.steps {cfg.train.steps}); to train "
+                          f"longer, raise it (--set train.steps={args.stop_at})")
     check_run(cfg)
     allow = [k.strip() for k in args.allow_config_change.split(",") if k.strip()]
     if cfg.topology.regions:

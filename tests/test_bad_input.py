@@ -79,6 +79,8 @@ CASES = [
     (["--set", "checkpoint.dir=a-file"], "checkpoint.dir {cwd}/a-file is a file"),
     (["--set", "run.dir=/proc/self/rj-run"], "run.dir /proc/self/rj-run is not writable"),
     (["--stop-at", "0"], "--stop-at 0: must be >= 1"),
+    (["--stop-at", "201"], "--stop-at 201: past the run's end (train.steps 200); to train longer, raise it "
+                           "(--set train.steps=201)"),
     (["--set", "runtime.launcher=ray"], "runtime.launcher=ray: only an elastic run launches hosts, and this config "
                                         "has no topology.regions, so it would train in this one process"),
     (["--set", "runtime.ray_address=10.0.0.5:6379", "--set", "runtime.bind=10.0.0.5"],
