@@ -7,7 +7,9 @@ devices: trace 1.14 s + lower 0.53 s a member, on a process that had traced it b
 with the members on shared cores). An exported program is called through `jax.jit(exported.call)`,
 whose lowering only wraps the stored module: 0.36 s. Rank 0 exports the likely next worlds' step
 while it trains (elastic/precompile.py) and compiles it through that same call, so the new world's
-members load it from the compile cache.
+members load it from the compile cache. A world whose members share one machine has its rank 0
+export its own programs as it forms, and the others call them (`world_programs`): members tracing
+the same model side by side on the same cores paid N traces for one.
 
 The bits are those of the program the model's jit lowers: the exported module is that lowering,
 run as it is (measured: tiny's compute, the same gradients to the bit and the same loss; the
@@ -48,7 +50,9 @@ def world_key(regions_by_rank: Sequence[str], devices_by_rank: Sequence[int]) ->
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-AHEAD = "rank 0 exported ahead"  # elastic/precompile exported them for a world of this shape
+# Programs in the invocation's folder for a world of this shape: exported ahead by elastic/precompile,
+# or by the rank 0 of an earlier world of this shape (FOR_THIS_WORLD).
+EARLIER = "rank 0 exported earlier for a world of this shape"
 FOR_THIS_WORLD = "rank 0 exported for this world (one machine)"  # its rank 0 exports them as it forms
 
 
@@ -56,13 +60,13 @@ def world_programs(has_programs: Sequence[bool], placements: Sequence[str], plat
     """Which exported programs a forming world calls, from what every member said (in rank order):
     whether it holds loadable programs for this world, and its compile_cache.placement().
 
-    AHEAD where every member holds them. Else FOR_THIS_WORLD where the world shares one machine and
+    EARLIER where every member holds them. Else FOR_THIS_WORLD where the world shares one machine and
     one cache (compile_cache.leader_compiles: rank 0 alone compiles there anyway): N members tracing
     the same step side by side would cost N times the CPU on the same cores, so rank 0 traces and
     exports, and the others wait for its programs. Else None: each member traces its own. The
     same answer on every member, who all read the same words."""
     if all(has_programs):
-        return AHEAD
+        return EARLIER
     return FOR_THIS_WORLD if compile_cache.leader_compiles(list(placements), platform) else None
 
 

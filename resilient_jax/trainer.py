@@ -356,6 +356,17 @@ class Trainer:
         abstract = self.abstract_state()
         return jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), abstract)
 
+    def evaluates_after(self, completed: int) -> bool:
+        """Whether the state after `completed` steps is evaluated (eval.every_steps, the last step)."""
+        cfg = self.cfg
+        return self.evalset is not None and evaluation.due(completed, cfg.eval.every_steps, cfg.train.steps)
+
+    def runs_a_program(self, start: int, end: int) -> bool:
+        """Whether a loop from `start` completed steps to `end` runs any of this world's programs: a
+        step, or the run's last evaluation (a loop that starts at the run's end evaluates it again:
+        the world that ran the last step may have died before its evaluation was recorded)."""
+        return start < end or (start >= self.cfg.train.steps and self.evaluates_after(start))
+
     def abstract_state(self) -> state_lib.TrainState:
         """The state's shapes, dtypes and shardings on this world's mesh, without allocating it."""
         return state_lib.abstract_state(self.model_def, self.tx, self.mesh)
@@ -530,7 +541,7 @@ class Trainer:
         step = start
         stopped = None
         try:
-            if step < end or (step >= cfg.train.steps and loop.eval_due(step)):  # steps, or the last eval
+            if self.runs_a_program(step, end):
                 loop.compile(state)
             for state, step in loop.run(state, step, end):
                 # SIGTERM / Ctrl-C: the checkpoint of this step is being written. One that lands in
@@ -729,8 +740,7 @@ class StepLoop:
             self.ckpt.finish(step, state, self.data_position())
 
     def eval_due(self, completed: int) -> bool:
-        cfg = self.trainer.cfg
-        return self.evaluator is not None and evaluation.due(completed, cfg.eval.every_steps, cfg.train.steps)
+        return self.trainer.evaluates_after(completed)
 
     def evaluate_if_due(self, state, completed: int) -> evaluation.EvalRecord | None:
         """Evaluate the state after `completed` steps if it is an eval step (every member of a world

@@ -118,7 +118,7 @@ def run_baseline(run_dir: Path, args) -> dict:
     for step_dir in (run_dir / "checkpoints").iterdir():  # the crash loses what came after `last`
         if step_dir.name.isdigit() and int(step_dir.name) > last:
             shutil.rmtree(step_dir)
-    relaunch = _static_job(run_dir, kill + 1, every, args.steps)
+    relaunch = _static_job(run_dir, min(kill + 1, args.steps), every, args.steps)
     return {"recovery_seconds": relaunch, "restored_step": last, "steps_redone": kill - last, "restarts": 1}
 
 

@@ -99,9 +99,9 @@ def test_a_world_calls_the_programs_exported_ahead_or_on_one_machine_its_rank_0s
     one_machine = ["boot-a /runs/x/compile_cache"] * 3
     apart = ["boot-a /runs/x/compile_cache", "boot-b /runs/x/compile_cache", "boot-c /runs/x/compile_cache"]
     # Every member holds programs exported ahead: called, wherever the members run.
-    assert exported.world_programs([True] * 3, one_machine, "cpu") == exported.AHEAD
-    assert exported.world_programs([True] * 3, apart, "gpu") == exported.AHEAD
-    assert exported.world_programs([True], one_machine[:1], "cpu") == exported.AHEAD
+    assert exported.world_programs([True] * 3, one_machine, "cpu") == exported.EARLIER
+    assert exported.world_programs([True] * 3, apart, "gpu") == exported.EARLIER
+    assert exported.world_programs([True], one_machine[:1], "cpu") == exported.EARLIER
     # One machine, one cache: rank 0 exports for the world (also where only some members hold them).
     assert exported.world_programs([False] * 3, one_machine, "cpu") == exported.FOR_THIS_WORLD
     assert exported.world_programs([True, False, True], one_machine, "cpu") == exported.FOR_THIS_WORLD
@@ -109,3 +109,4 @@ def test_a_world_calls_the_programs_exported_ahead_or_on_one_machine_its_rank_0s
     assert exported.world_programs([True, False, True], apart, "cpu") is None
     assert exported.world_programs([False], one_machine[:1], "cpu") is None
     assert exported.world_programs([False] * 3, one_machine, "gpu") is None
+    assert exported.world_programs([False] * 3, ["boot-a "] * 3, "cpu") is None  # no compile cache

@@ -78,6 +78,16 @@ def test_a_step_that_fails_leaves_the_caller_the_last_boundarys_state_and_a_stop
     assert StepLoop.end_of(5, 9) == 5 and StepLoop.stopped_at_end(5, 5) is None
 
 
+def test_a_loop_runs_a_program_while_a_step_is_left_or_the_runs_last_evaluation_is_due(tmp_path):
+    evaluated = Trainer(tiny_config(tmp_path / "e", "train.steps=5", *EVAL), devices=jax.devices()[:8])
+    assert evaluated.runs_a_program(3, 5) and evaluated.runs_a_program(0, 1)
+    # At the run's end (a world whose predecessor died as it ended the run): the last evaluation.
+    assert evaluated.runs_a_program(5, 5)
+    assert not evaluated.runs_a_program(4, 4)  # stopped short of the end (--stop-at 4): left to the rerun
+    plain = Trainer(tiny_config(tmp_path / "p", "train.steps=5"), devices=jax.devices()[:8])
+    assert plain.runs_a_program(4, 5) and not plain.runs_a_program(5, 5)  # nothing to run: nothing compiled
+
+
 def test_a_finished_run_rerun_with_an_earlier_stop_at_is_complete_not_stopped(tmp_path):
     cfg = tiny_config(tmp_path, "train.steps=4", *EVAL)
     first = Trainer(cfg, devices=jax.devices()[:8]).run()

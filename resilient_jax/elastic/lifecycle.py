@@ -37,7 +37,7 @@ class State(enum.Enum):
     JOINING = "joining"  # connecting to the world's coordination service
     RESTORING = "restoring"  # state from a checkpoint, or fresh
     ADOPTING = "adopting"  # state from the member that completed the most steps (survivors: their own)
-    COMPILING = "compiling"  # this world's step, then a barrier with every member
+    COMPILING = "compiling"  # this world's step, then a barrier with every member (none if no step is left)
     TRAINING = "training"
     LEAVING = "leaving"  # state to host memory, JAX world torn down
     DONE = "done"

@@ -594,9 +594,10 @@ class Worker:
             self.life.fire(Event.STATE_READY, ready)
             compiled, called_exported = None, []
             # A world with no step left to run (the last world's member died as it ended the run, or
-            # a rerun of a finished run) only commits the final checkpoint and reports: compiling
-            # its step -- minutes at scale -- would hold the survivors for nothing.
-            if start < StepLoop.end_of(self.cfg.train.steps, self.stop_at):
+            # a rerun of a finished run) only commits the final checkpoint and reports, unless the
+            # run's last evaluation is due: compiling its programs -- minutes at scale -- would hold
+            # the survivors for nothing.
+            if trainer.runs_a_program(start, StepLoop.end_of(self.cfg.train.steps, self.stop_at)):
                 def lower():  # the export, where rank 0 exports for this world, is part of its compile
                     called_exported.append(self._use_exported(trainer, world, members))
                     return trainer.lowered(state)
@@ -692,7 +693,14 @@ class Worker:
     def _share_export(self, trainer, folder, rank: int, aborted) -> dict | None:
         """Rank 0 exports this world's programs into `folder` and says so; the other members wait
         for its word and load them. None where that failed here (a program jax.export refuses, a
-        full disk, rank 0 not done within LEADER_EXPORT_WAIT_SECONDS): the caller then traces."""
+        full disk): the caller then traces.
+
+        The others wait for rank 0's word however long its export takes, as for a live peer in a
+        collective: rank 0 always answers ("1" or "0"), and only the controller's verdict (rank 0
+        dead) ends the wait. A fixed timeout would let a member give up while rank 0 finishes, and
+        the agreement that follows would then time out in turn and fail the world -- again in
+        every world after it, with the same rank 0 and model."""
+        import math
         import shutil
 
         from resilient_jax import exported
@@ -700,7 +708,7 @@ class Worker:
 
         name = f"exported-{self.generation}/shared"
         if rank != 0:
-            word = world_lib.read_word(name, 0, timeout_seconds=world_lib.LEADER_EXPORT_WAIT_SECONDS, aborted=aborted)
+            word = world_lib.read_word(name, 0, timeout_seconds=math.inf, aborted=aborted)
             return self._exported_calls(trainer, folder) if word == "1" else None
         try:
             exported.save(folder, trainer.export_programs())

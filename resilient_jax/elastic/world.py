@@ -153,8 +153,6 @@ def barrier(name: str, timeout_seconds: float, *, aborted: Callable[[], bool] = 
 LEADER_COMPILE_WAIT_SECONDS = 600
 # How long a member waits for the others to say where they run (they do so before lowering).
 PLACEMENT_WAIT_SECONDS = 300
-# How long a member waits for rank 0 to export a world's programs before tracing its own.
-LEADER_EXPORT_WAIT_SECONDS = 600
 
 
 def compile_world(lower: Callable[[], list], name: str, rank: int, size: int, platform: str, *,
@@ -208,7 +206,8 @@ def read_all(name: str, size: int, *, aborted: Callable[[], bool] = lambda: Fals
 
 def read_word(name: str, rank: int, *, timeout_seconds: float, aborted: Callable[[], bool] = lambda: False,
               client=None) -> str | None:
-    """Member `rank`'s word on `name` once it has published it, or None once `timeout_seconds` pass."""
+    """Member `rank`'s word on `name` once it has published it, or None once `timeout_seconds` pass
+    (math.inf: only `aborted` ends the wait)."""
     return _wait_for_key(_client(client), f"resilient_jax/word/{name}/{rank}", f"rank {rank}'s word on {name}",
                          timeout_seconds, aborted, 0.2)
 
