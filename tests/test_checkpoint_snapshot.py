@@ -4,6 +4,8 @@ takes orbax's save call off the training thread (checkpoint/store.py)."""
 from __future__ import annotations
 
 import collections
+import os
+import sys
 import threading
 
 import jax
@@ -85,3 +87,29 @@ def test_save_returns_while_orbax_is_still_inside_its_save_call(tmp_path, monkey
     restored = CheckpointStore.restore_arrays(tmp_path / "ckpt" / "1", jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state))
     assert np.asarray(restored.params["w"]).tobytes() == np.arange(64.0, dtype=np.float32).tobytes()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own niceness is Linux's")
+def test_the_background_write_runs_at_the_lowest_priority_and_the_training_thread_keeps_its_own(tmp_path,
+                                                                                                monkeypatch):
+    """Orbax's save call runs on a thread at niceness 19, and so does a thread it starts (Linux
+    threads inherit it): on a host whose cores the step uses, the write takes what the step leaves."""
+    store = CheckpointStore(tmp_path / "ckpt", async_save=True)
+    orbax_save, seen = store._manager.save, {}
+
+    def niceness() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    def observed_save(*args, **kwargs):
+        seen["saver"] = niceness()
+        child = threading.Thread(target=lambda: seen.setdefault("started by it", niceness()))
+        child.start()
+        child.join()
+        return orbax_save(*args, **kwargs)
+
+    monkeypatch.setattr(store._manager, "save", observed_save)
+    training = niceness()
+    store.save(1, State({"w": jnp.arange(8.0)}, {"m": jnp.ones(2)}), _context(1))
+    store.close()
+    assert seen == {"saver": 19, "started by it": 19} and niceness() == training < 19
+    assert reader.list_steps(tmp_path / "ckpt") == [1]

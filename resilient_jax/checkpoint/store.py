@@ -22,8 +22,9 @@ Asynchronous saves: `save` dispatches one copy of each unique shard of the state
 (`snapshot.py`) and returns; the caller may then donate the state. Orbax's own save call -- its
 barriers, directory creation, metadata and the copy to host numpy that it writes from -- runs on
 the store's saver thread, so its fixed cost (0.1-0.2 s per save, mostly starting its writer
-threads) is not paid by the training thread. At most one save waits to start: a `save` while the
-previous one has not yet reached orbax waits for it. A failed background write or commit (e.g. a
+threads) is not paid by the training thread. The saver thread and the threads it starts run at the
+lowest scheduling priority, so the write takes the cores the step leaves idle. At most one save
+waits to start: a `save` while the previous one has not yet reached orbax waits for it. A failed background write or commit (e.g. a
 full disk) surfaces as CheckpointSaveError at the next `save`, `wait` or `close`, and its temporary
 or uncommitted directory is removed; committed steps are never touched.
 
@@ -41,6 +42,7 @@ import logging
 import os
 import re
 import shutil
+import sys
 import threading
 import uuid
 from collections.abc import Callable, Sequence
@@ -217,6 +219,22 @@ def world_temporary_path(generation: int):
     return WorldTemporaryPath
 
 
+SAVER_NICENESS = 19
+
+
+def _yield_to_training() -> None:
+    """Runs on the saver thread as it starts: the lowest scheduling priority for it and for every
+    thread it starts (Linux threads inherit their creator's niceness: orbax's commit thread, and
+    tensorstore's writers when a save is the first to use them). Where the step's compute shares
+    the host's cores (CPU devices; a GPU host's input pipeline), the background write then takes
+    the cores the step leaves idle instead of a share of the step's: on 2 cores with tiny
+    (bench_checkpoint), the step right after a save lost 21-27 ms at niceness 0 and 8-10 ms here,
+    and the write committed in 0.8 s instead of 0.5 s. A thread's niceness is its own on Linux
+    only (elsewhere the call would renice the whole process), and raising it needs no privilege."""
+    if sys.platform.startswith("linux"):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), SAVER_NICENESS)
+
+
 def check_writable(root: Path) -> None:
     """Fails early (and by name) when the checkpoint directory cannot be written."""
     try:
@@ -287,8 +305,10 @@ class CheckpointStore:
                                            item_handlers=handlers)
         self._pending_step: int | None = None
         self._async = async_save
-        # Orbax's save call (see the module docstring), one at a time, in the order of `save`.
-        self._saver = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint-save")
+        # Orbax's save call (see the module docstring), one at a time, in the order of `save`, at
+        # the lowest priority (_yield_to_training).
+        self._saver = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint-save",
+                                                            initializer=_yield_to_training)
         self._starting: concurrent.futures.Future | None = None
         self._abandoned = False
         self._abandon_lock = threading.Lock()  # an abandon and a failed save's cleanup exclude each other
