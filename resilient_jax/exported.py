@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -157,6 +158,22 @@ def load(directory: Path) -> dict[str, jax.export.Exported] | None:
         return {name: jax.export.deserialize(bytearray((directory / f"{name}.bin").read_bytes())) for name in names}
     except Exception:  # unreadable, or not what `save` writes (a flatbuffer fails in many ways): not used
         return None
+
+
+def export_and_reload(trainer, directory: Path) -> dict:
+    """Exports `trainer`'s programs into `directory` and returns them, read back, as its calls
+    (Trainer.exported_calls): the exporter then runs the bytes the others will load, not its own
+    tracing. On any failure (a program jax.export refuses, a full disk, a set that does not read
+    back) removes `directory`, so that no one loads a partial export, and raises."""
+    try:
+        save(directory, trainer.export_programs())
+        programs = load(directory)
+        if programs is None:
+            raise ValueError(f"{directory} could not be read back")
+        return trainer.exported_calls(programs)
+    except BaseException:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
 
 
 def _write_atomically(path: Path, data: bytes) -> None:

@@ -110,3 +110,35 @@ def test_a_world_calls_the_programs_exported_ahead_or_on_one_machine_its_rank_0s
     assert exported.world_programs([False], one_machine[:1], "cpu") is None
     assert exported.world_programs([False] * 3, one_machine, "gpu") is None
     assert exported.world_programs([False] * 3, ["boot-a "] * 3, "cpu") is None  # no compile cache
+
+
+def test_export_and_reload_returns_the_calls_read_back_or_leaves_no_folder_behind(tmp_path, monkeypatch):
+    """What rank 0 does for its world (and the compile-ahead thread for the next ones): the calls
+    it returns are the stored programs read back; a failure at any point removes the folder, so a
+    member never loads a partial export, and reaches the caller, which then traces."""
+    cfg = tiny_config(tmp_path / "run")
+    trainer = Trainer(cfg, devices=jax.devices()[:DEVICES])
+    folder = tmp_path / "exported" / "w"
+    calls = exported.export_and_reload(trainer, folder)
+    assert sorted(calls) == ["apply", "compute"] and sorted(exported.load(folder)) == ["apply", "compute"]
+
+    real_save = exported.save
+
+    def dies_after_one_program(directory, programs):  # a full disk after the first file
+        real_save(directory, dict(list(programs.items())[:1]))
+        raise OSError(28, "No space left on device")
+
+    for name, failure in [("save", dies_after_one_program),
+                          ("load", lambda directory: None)]:  # written, but does not read back
+        with monkeypatch.context() as m:
+            m.setattr(exported, name, failure)
+            broken = tmp_path / "exported" / name
+            with pytest.raises((OSError, ValueError)):
+                exported.export_and_reload(trainer, broken)
+            assert not broken.exists(), name
+    other = Trainer(cfg, devices=jax.devices()[:2])  # programs of another world's shape
+    with monkeypatch.context() as m:
+        m.setattr(trainer, "export_programs", other.export_programs)
+        with pytest.raises(ValueError):
+            exported.export_and_reload(trainer, tmp_path / "exported" / "foreign")
+    assert not (tmp_path / "exported" / "foreign").exists()

@@ -16,7 +16,6 @@ side by side (compile_cache.compile_all), which a recovery without it would spen
 from __future__ import annotations
 
 import logging
-import shutil
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -94,15 +93,10 @@ class Precompiler(threading.Thread):
         counts = [sum(1 for d in devices if d.process_index == p) for p in range(len(regions))]
         folder = self.exported_dir / exported.world_key(regions, counts)
         try:
-            exported.save(folder, trainer.export_programs())
-            programs = exported.load(folder)
-            if programs is None:
-                raise ValueError(f"{folder} could not be read back")
-            trainer.use_exported(trainer.exported_calls(programs))
+            trainer.use_exported(exported.export_and_reload(trainer, folder))
         except Exception as e:
             log.warning("the step of a %d-host world (%s) could not be exported (%s: %s); compiling it as traced",
                         len(regions), ", ".join(regions), type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
-            shutil.rmtree(folder, ignore_errors=True)
 
     def stop(self) -> float:
         """Stop between programs; the seconds spent waiting for the one in flight."""

@@ -701,7 +701,6 @@ class Worker:
         the agreement that follows would then time out in turn and fail the world -- again in
         every world after it, with the same rank 0 and model."""
         import math
-        import shutil
 
         from resilient_jax import exported
         from resilient_jax.elastic import world as world_lib
@@ -711,12 +710,10 @@ class Worker:
             word = world_lib.read_word(name, 0, timeout_seconds=math.inf, aborted=aborted)
             return self._exported_calls(trainer, folder) if word == "1" else None
         try:
-            exported.save(folder, trainer.export_programs())
-            calls = self._exported_calls(trainer, folder)
+            calls = exported.export_and_reload(trainer, folder)
         except Exception as e:  # an optimisation: never a reason for the world to fail
             log.warning("generation %d: this world's step could not be exported (%s: %s); each member traces "
                         "its own", self.generation, type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
-            shutil.rmtree(folder, ignore_errors=True)
             calls = None
         world_lib.publish(name, 0, "1" if calls is not None else "0")
         return calls
