@@ -24,9 +24,10 @@ barriers, directory creation, metadata and the copy to host numpy that it writes
 the store's saver thread, so its fixed cost (0.1-0.2 s per save, mostly starting its writer
 threads) is not paid by the training thread. The saver thread and the threads it starts run at the
 lowest scheduling priority, so the write takes the cores the step leaves idle. At most one save
-waits to start: a `save` while the previous one has not yet reached orbax waits for it. A failed background write or commit (e.g. a
-full disk) surfaces as CheckpointSaveError at the next `save`, `wait` or `close`, and its temporary
-or uncommitted directory is removed; committed steps are never touched.
+waits to start: a `save` while the previous one has not yet reached orbax waits for it. A failed
+background write or commit (e.g. a full disk) surfaces as CheckpointSaveError at the next `save`,
+`wait` or `close`, and its temporary or uncommitted directory is removed; committed steps are
+never touched.
 
 `save` must be called on every process with the same step (orbax synchronises them). With several
 processes orbax's barriers go through the coordination service's key-value barriers
