@@ -282,7 +282,8 @@ class CheckpointConfig:
     keep_last: int = 3
     # ... plus every step that is a multiple of M (0 = none).
     keep_every: int = 0
-    # Write in the background (training stalls only for the device-to-host copy).
+    # Write in the background: training waits only for the copy off the devices, and the write
+    # runs at the lowest CPU priority (niceness 19 on Linux).
     async_save: bool = True
     # Check the crc32c of every file a restore reads (and the context sha256s) and refuse a mismatch.
     verify_on_load: bool = True
