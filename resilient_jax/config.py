@@ -282,9 +282,13 @@ class CheckpointConfig:
     keep_last: int = 3
     # ... plus every step that is a multiple of M (0 = none).
     keep_every: int = 0
-    # Write in the background: training waits only for the copy off the devices, and the write
-    # runs at the lowest CPU priority (niceness 19 on Linux).
+    # Write in the background (training waits only for the copy off the devices).
     async_save: bool = True
+    # The background write's CPU priority. `low` (niceness 19, Linux): it takes only the cores the
+    # step leaves idle, so where the step's compute shares the host's cores (CPU devices) the step
+    # after a save loses less; but on cores the step keeps busy a save may commit only once training
+    # waits for it (at the save after next, or the run's end). `normal`: it commits once written.
+    write_priority: Literal["normal", "low"] = "normal"
     # Check the crc32c of every file a restore reads (and the context sha256s) and refuse a mismatch.
     verify_on_load: bool = True
 

@@ -15,10 +15,13 @@ For each config, on the trainer's real step (data loader, compute, apply) and re
     async.commit_s     save call -> committed step (background write, rename, crc32c of the files,
                        commit files)
     async_stall_vs_d2h async.stall_s / d2h_copy_s (target <= 1.5)
+    async_low_priority the same with checkpoint.write_priority=low (the write at niceness 19), on the
+                       same trainer right after; async_low_priority_stall_vs_d2h likewise
     sync.stall_s       a synchronous save (returns when committed): its whole duration is lost
 
     python scripts/bench_checkpoint.py [--config configs/tiny.yaml --config configs/small.yaml]
-                                       [--saves 3] [--steps 4] [--set k=v ...]
+                                       [--saves 3] [--steps 4] [--write-priority normal|low ...]
+                                       [--set k=v ...]
 
 Prints one JSON object. Not a test: numbers depend on the machine (2 CPU cores here, so background
 writes compete with the step for the same cores).
@@ -64,15 +67,15 @@ class CommitWatcher:
         return self._seen
 
 
-def bench(config: str, overrides: list[str], saves: int, steps: int) -> dict:
+def bench(config: str, overrides: list[str], saves: int, steps: int, priorities: list[str]) -> dict:
     work = Path(tempfile.mkdtemp(prefix="bench-ckpt-"))
     try:
-        return _measure(work, config, overrides, saves, steps)
+        return _measure(work, config, overrides, saves, steps, priorities)
     finally:
         shutil.rmtree(work, ignore_errors=True)  # several checkpoints of the bigger model: ~1 GB
 
 
-def _measure(work: Path, config: str, overrides: list[str], saves: int, steps: int) -> dict:
+def _measure(work: Path, config: str, overrides: list[str], saves: int, steps: int, priorities: list[str]) -> dict:
     import jax
     import numpy as np
 
@@ -117,17 +120,21 @@ def _measure(work: Path, config: str, overrides: list[str], saves: int, steps: i
         [np.array(leaf, copy=True) for leaf in jax.tree.leaves(state)]
         d2h.append(time.perf_counter() - t0)
 
-    # Asynchronous saves: the training thread pays the save call, then steps run beside the write.
-    store = CheckpointStore(work / "async", async_save=True)
-    store.save(step, state, context())  # the first save sets orbax up; not measured
-    store.wait()
-    async_rows = []
-    for _ in range(saves):
+    def async_saves(priority: str) -> list[dict]:
+        """Asynchronous saves: the training thread pays the save call, then steps run beside the write."""
+        store = CheckpointStore(work / f"async-{priority}", async_save=True, write_priority=priority)
+        store.save(step, state, context())  # the first save sets orbax up; not measured
+        store.wait()
+        rows = [one_async_save(store, work / f"async-{priority}") for _ in range(saves)]
+        store.close()
+        return rows
+
+    def one_async_save(store, root: Path) -> dict:
         # The normal step right before this save (median of a few): the machine's pace drifts over
         # a run, and a stall of a millisecond is read against the steps beside it, not the first ones.
         local_normal = statistics.median(one_step() for _ in range(3))
         save_step = step
-        committed = work / "async" / str(save_step)
+        committed = root / str(save_step)
         watcher = CommitWatcher(committed)  # started first: its thread start is not the save's
         t0 = time.perf_counter()
         store.save(save_step, state, context())
@@ -140,9 +147,10 @@ def _measure(work: Path, config: str, overrides: list[str], saves: int, steps: i
                 raise RuntimeError("the save never committed")
         commit_s = watcher.seen_at() - t0
         store.wait()
-        async_rows.append({"save_call_s": call, "stall_s": call + first - local_normal,
-                           "background_overhead_s": overhead, "commit_s": commit_s})
-    store.close()
+        return {"save_call_s": call, "stall_s": call + first - local_normal,
+                "background_overhead_s": overhead, "commit_s": commit_s}
+
+    async_rows = {priority: async_saves(priority) for priority in priorities}
 
     sync_store = CheckpointStore(work / "sync", async_save=False)
     sync_store.save(step, state, context())
@@ -167,11 +175,19 @@ def _measure(work: Path, config: str, overrides: list[str], saves: int, steps: i
         "devices": len(trainer.mesh.devices.flat),
         "normal_step_s": normal,
         "d2h_copy_s": statistics.median(d2h),
-        "async": {k: med(async_rows, k) for k in ("save_call_s", "stall_s", "background_overhead_s", "commit_s")},
+        **{_async_key(p): {k: med(rows, k) for k in ("save_call_s", "stall_s", "background_overhead_s", "commit_s")}
+           for p, rows in async_rows.items()},
         "sync": {"stall_s": statistics.median(sync_rows)},
-        "async_stall_vs_d2h": med(async_rows, "stall_s") / statistics.median(d2h),
-        "sync_stall_vs_async_stall": statistics.median(sync_rows) / max(med(async_rows, "stall_s"), 1e-9),
+        **{f"{_async_key(p)}_stall_vs_d2h": med(rows, "stall_s") / statistics.median(d2h)
+           for p, rows in async_rows.items()},
+        **{f"sync_stall_vs_{_async_key(p)}_stall": statistics.median(sync_rows) / max(med(rows, "stall_s"), 1e-9)
+           for p, rows in async_rows.items()},
     }
+
+
+def _async_key(priority: str) -> str:
+    """The output's name for the async saves at `priority`: "async" at the default."""
+    return "async" if priority == "normal" else f"async_{priority}_priority"
 
 
 def main() -> None:
@@ -180,8 +196,12 @@ def main() -> None:
                         help="repeatable; default configs/tiny.yaml and configs/small.yaml")
     parser.add_argument("--saves", type=at_least(1), default=9)
     parser.add_argument("--steps", type=at_least(1), default=4, help="steps measured for the normal step time")
+    parser.add_argument("--write-priority", dest="priorities", action="append", choices=["normal", "low"],
+                        default=None, help="repeatable: the asynchronous saves' checkpoint.write_priority, each "
+                        "measured in turn on the same trainer (default: normal, then low)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args()
+    priorities = args.priorities or ["normal", "low"]
     configs = args.config or [str(REPO / "configs" / "tiny.yaml"), str(REPO / "configs" / "small.yaml")]
 
     # One process, one device count: every config must agree on parallel.devices. (Each is loaded
@@ -197,7 +217,7 @@ def main() -> None:
     if count > 0:
         jax.config.update("jax_num_cpu_devices", count)
     with refused_in_one_line(parser):
-        results = [bench(c, args.overrides, args.saves, args.steps) for c in configs]
+        results = [bench(c, args.overrides, args.saves, args.steps, priorities) for c in configs]
     json.dump({"machine": {"platform": jax.devices()[0].platform, "devices": len(jax.devices())},
                "results": results}, sys.stdout, indent=2)
     print()

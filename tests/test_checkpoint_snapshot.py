@@ -90,11 +90,13 @@ def test_save_returns_while_orbax_is_still_inside_its_save_call(tmp_path, monkey
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own niceness is Linux's")
-def test_the_background_write_runs_at_the_lowest_priority_and_the_training_thread_keeps_its_own(tmp_path,
-                                                                                                monkeypatch):
-    """Orbax's save call runs on a thread at niceness 19, and so does a thread it starts (Linux
-    threads inherit it): on a host whose cores the step uses, the write takes what the step leaves."""
-    store = CheckpointStore(tmp_path / "ckpt", async_save=True)
+@pytest.mark.parametrize("priority", ["low", "normal"])
+def test_a_low_priority_write_runs_at_niceness_19_and_the_training_thread_keeps_its_own(tmp_path, monkeypatch,
+                                                                                       priority):
+    """checkpoint.write_priority=low: orbax's save call runs on a thread at niceness 19, and so does
+    a thread it starts (Linux threads inherit it), so the write takes what the step leaves; the
+    default leaves every thread at the training thread's priority (saves commit once written)."""
+    store = CheckpointStore(tmp_path / "ckpt", async_save=True, write_priority=priority)
     orbax_save, seen = store._manager.save, {}
 
     def niceness() -> int:
@@ -111,5 +113,6 @@ def test_the_background_write_runs_at_the_lowest_priority_and_the_training_threa
     training = niceness()
     store.save(1, State({"w": jnp.arange(8.0)}, {"m": jnp.ones(2)}), _context(1))
     store.close()
-    assert seen == {"saver": 19, "started by it": 19} and niceness() == training < 19
+    expected = 19 if priority == "low" else training
+    assert seen == {"saver": expected, "started by it": expected} and niceness() == training < 19
     assert reader.list_steps(tmp_path / "ckpt") == [1]

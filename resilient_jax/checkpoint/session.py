@@ -98,7 +98,7 @@ class CheckpointSession:
         self.store: CheckpointStore | None = None
         if cfg.checkpoint.enabled:
             self.store = CheckpointStore(self.root, async_save=cfg.checkpoint.async_save, keep=self.policy.keep,
-                                         generation=generation)
+                                         generation=generation, write_priority=cfg.checkpoint.write_priority)
             self.stats.removed_temporary = [str(p) for p in self.store.removed_temporary]
         self.preemption = PreemptionWatch(interruptible=interruptible)
         self._last_saved: int | None = None

@@ -22,8 +22,8 @@ Asynchronous saves: `save` dispatches one copy of each unique shard of the state
 (`snapshot.py`) and returns; the caller may then donate the state. Orbax's own save call -- its
 barriers, directory creation, metadata and the copy to host numpy that it writes from -- runs on
 the store's saver thread, so its fixed cost (0.1-0.2 s per save, mostly starting its writer
-threads) is not paid by the training thread. The saver thread and the threads it starts run at the
-lowest scheduling priority, so the write takes the cores the step leaves idle. At most one save
+threads) is not paid by the training thread. With `write_priority="low"` the saver thread and the
+threads it starts run at the lowest scheduling priority (`_yield_to_training`). At most one save
 waits to start: a `save` while the previous one has not yet reached orbax waits for it. A failed
 background write or commit (e.g. a full disk) surfaces as CheckpointSaveError at the next `save`,
 `wait` or `close`, and its temporary or uncommitted directory is removed; committed steps are
@@ -220,18 +220,23 @@ def world_temporary_path(generation: int):
     return WorldTemporaryPath
 
 
-SAVER_NICENESS = 19
+WRITE_PRIORITIES = ("normal", "low")
+SAVER_NICENESS = 19  # write_priority "low"
 
 
 def _yield_to_training() -> None:
-    """Runs on the saver thread as it starts: the lowest scheduling priority for it and for every
-    thread it starts (Linux threads inherit their creator's niceness: orbax's commit thread, and
-    tensorstore's writers when a save is the first to use them). Where the step's compute shares
-    the host's cores (CPU devices; a GPU host's input pipeline), the background write then takes
-    the cores the step leaves idle instead of a share of the step's: on 2 cores with tiny
-    (bench_checkpoint), the step right after a save lost 21-27 ms at niceness 0 and 8-10 ms here,
-    and the write committed in 0.8 s instead of 0.5 s. A thread's niceness is its own on Linux
-    only (elsewhere the call would renice the whole process), and raising it needs no privilege."""
+    """Runs on the saver thread as it starts (write_priority "low"): the lowest scheduling priority
+    for it and for every thread it starts (Linux threads inherit their creator's niceness: orbax's
+    commit thread, and tensorstore's writers when a save is the first to use them). Where the
+    step's compute shares the host's cores (CPU devices), the background write then takes the
+    cores the step leaves idle instead of a share of the step's: on 2 cores with tiny
+    (bench_checkpoint), the step right after a save lost 21-27 ms at niceness 0 and 8-10 ms here.
+    The price: on cores the step keeps busy the write barely runs, so a save commits late -- at
+    the latest when the training thread waits for it (the save after next, `wait`, a preemption);
+    with other processes on the cores too (a loaded CI machine), a step-10 checkpoint of a 20-step
+    tiny run committed only after its last step. Hence not the default. A thread's niceness is its
+    own on Linux only (elsewhere the call would renice the whole process); raising it needs no
+    privilege, and the thread is never given its priority back (lowering it would)."""
     if sys.platform.startswith("linux"):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), SAVER_NICENESS)
 
@@ -258,8 +263,12 @@ def remove_temporary(root: Path) -> list[Path]:
 
 class CheckpointStore:
     def __init__(self, root: str | Path, *, async_save: bool = True,
-                 keep: Callable[[Sequence[int]], set[int]] | None = None, generation: int = 0):
-        """`generation`: the elastic world this store saves with (names its temporary directories)."""
+                 keep: Callable[[Sequence[int]], set[int]] | None = None, generation: int = 0,
+                 write_priority: str = "normal"):
+        """`generation`: the elastic world this store saves with (names its temporary directories).
+        `write_priority`: "normal", or "low" for the background write (checkpoint.write_priority)."""
+        if write_priority not in WRITE_PRIORITIES:
+            raise ValueError(f"write_priority {write_priority!r}: one of {', '.join(WRITE_PRIORITIES)}")
         self.root = Path(root)
         check_writable(self.root)
         process = jax.process_index()  # read now: after an abandon, it is another world's
@@ -306,10 +315,10 @@ class CheckpointStore:
                                            item_handlers=handlers)
         self._pending_step: int | None = None
         self._async = async_save
-        # Orbax's save call (see the module docstring), one at a time, in the order of `save`, at
-        # the lowest priority (_yield_to_training).
-        self._saver = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint-save",
-                                                            initializer=_yield_to_training)
+        # Orbax's save call (see the module docstring), one at a time, in the order of `save`.
+        self._saver = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="checkpoint-save",
+            initializer=_yield_to_training if write_priority == "low" else None)
         self._starting: concurrent.futures.Future | None = None
         self._abandoned = False
         self._abandon_lock = threading.Lock()  # an abandon and a failed save's cleanup exclude each other
