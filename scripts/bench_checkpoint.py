@@ -125,16 +125,16 @@ def _measure(work: Path, config: str, overrides: list[str], saves: int, steps: i
         store = CheckpointStore(work / f"async-{priority}", async_save=True, write_priority=priority)
         store.save(step, state, context())  # the first save sets orbax up; not measured
         store.wait()
-        rows = [one_async_save(store, work / f"async-{priority}") for _ in range(saves)]
+        rows = [one_async_save(store) for _ in range(saves)]
         store.close()
         return rows
 
-    def one_async_save(store, root: Path) -> dict:
+    def one_async_save(store) -> dict:
         # The normal step right before this save (median of a few): the machine's pace drifts over
         # a run, and a stall of a millisecond is read against the steps beside it, not the first ones.
         local_normal = statistics.median(one_step() for _ in range(3))
         save_step = step
-        committed = root / str(save_step)
+        committed = store.step_dir(save_step)
         watcher = CommitWatcher(committed)  # started first: its thread start is not the save's
         t0 = time.perf_counter()
         store.save(save_step, state, context())
