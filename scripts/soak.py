@@ -237,7 +237,11 @@ def row_for(what: str, step: int, summaries: list[dict]) -> str:
                     f"({moved['old_shards'][i]} -> {moved['new_shards'][i]})")
         return "not reslotted, no shards moved (see straggler_decisions, assignment)"
     if kind == "delay_host":
-        stalls = [s for summary in summaries for s in summary["stalls"] if s["late_host"] == f"h{target}"]
+        # The stall of this spike (its steps, or the step after the last: a stall is recorded at the
+        # step whose collective waited), not the host's first one of the run.
+        until = int(rest.split("@")[1].split(":")[0].split("-")[1])
+        stalls = [s for summary in summaries for s in summary["stalls"]
+                  if s["late_host"] == f"h{target}" and step <= s["step"] <= until + 1]
         return f"waited out a {stalls[0]['waited_seconds']:.1f} s stall" if stalls else "no stall recorded (absorbed)"
     if kind == "nan_shard":
         hits = [q for s in summaries for q in s["quarantine_events"] if q["shard"] == int(target)]

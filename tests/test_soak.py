@@ -102,3 +102,10 @@ def test_the_report_reads_every_invocation_a_preemption_split_the_run_into():
     first["assignment"] = {"decisions": [{**move, "step": 11, "new_shards": [4, 8]}]}
     last["assignment"] = {"decisions": [{**move, "step": 68, "new_shards": [1, 11]}]}
     assert soak.row_for("slow_host:0@64:4", 64, [first, last]).endswith("at step 68 (6 -> 1)")
+    # A latency spike's row is the stall of its own steps, not the host's first stall of the run
+    # (seed 23 reported 8.1 s for every spike of h1, its 3 s ones too).
+    first["stalls"] = [{"step": 13, "late_host": "h1", "waited_seconds": 8.1}]
+    last["stalls"] = [{"step": 77, "late_host": "h1", "waited_seconds": 7.9}]
+    assert soak.row_for("delay_host:1@12-12:8", 12, [first, last]) == "waited out a 8.1 s stall"
+    assert soak.row_for("delay_host:1@28-28:3", 28, [first, last]) == "no stall recorded (absorbed)"
+    assert soak.row_for("delay_host:1@76-76:8", 76, [first, last]) == "waited out a 7.9 s stall"
