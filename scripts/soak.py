@@ -239,7 +239,9 @@ def row_for(what: str, step: int, summaries: list[dict]) -> str:
     if kind == "delay_host":
         # The stall of this spike (its steps, or the step after the last: a stall is recorded at the
         # step whose collective waited), not the host's first one of the run.
-        until = int(rest.split("@")[1].split(":")[0].split("-")[1])
+        from resilient_jax.faults import parse_fault
+
+        until = parse_fault(what).until
         stalls = [s for summary in summaries for s in summary["stalls"]
                   if s["late_host"] == f"h{target}" and step <= s["step"] <= until + 1]
         return f"waited out a {stalls[0]['waited_seconds']:.1f} s stall" if stalls else "no stall recorded (absorbed)"
